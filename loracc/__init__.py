@@ -1,0 +1,16 @@
+"""loracc: a compiler for LoRA fine-tuning.
+
+    import loracc
+    model = loracc.compile(peft_model)      # in place; the same object comes back
+    loss = model(**batch).loss; loss.backward(); optimizer.step()
+
+See README.md for the pipeline (capture → passes → codegen → runtime) and the CLI.
+"""
+from . import ops  # noqa: F401  (registers the loracc:: ops)
+from .errors import LoraccError, Unsupported
+from .lora import LoRALinear
+from .model import compile, uncompile
+from .report import Report, explain
+
+__version__ = "0.1.0"
+__all__ = ["compile", "uncompile", "explain", "Report", "LoRALinear", "LoraccError", "Unsupported"]

@@ -1,0 +1,51 @@
+"""Every private torch API loracc touches, in one place, called with keyword arguments.
+
+loracc runs on torch 2.11 (GPU machines) and 2.13 (CPU machines); when one of these moves, this is
+the only file to change.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+tree_flatten = pytree.tree_flatten
+tree_unflatten = pytree.tree_unflatten
+
+
+def trace(fn, example_inputs):
+    """ATen-level fx graph of ``fn(*example_inputs)``, traced on fake tensors (nothing computed).
+
+    Node metadata set while tracing (``set_current_source``) is kept on the nodes.
+    """
+    traced = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=False)
+    with _preserve_meta():
+        return traced(*example_inputs)
+
+
+@contextlib.contextmanager
+def _preserve_meta():
+    import torch.fx.traceback as fx_traceback
+
+    with fx_traceback.preserve_node_meta():
+        yield
+
+
+def set_current_source(module_path: str | None) -> None:
+    """Tag the nodes traced from now on with the module they come from (see ``trace``)."""
+    import torch.fx.traceback as fx_traceback
+
+    meta = fx_traceback.current_meta
+    if module_path is None:
+        meta.pop("custom", None)
+    else:
+        meta["custom"] = {"module": module_path}
+
+
+def rename_node(node: torch.fx.Node, name: str) -> None:
+    node._rename(name)
+    if node.op == "placeholder":
+        node.target = node.name

@@ -1,0 +1,220 @@
+"""Capture: a region's forward as an ATen fx graph, and its joint forward + backward.
+
+``capture_forward`` traces one call of a module on fake tensors: the module's parameters, buffers
+and tensor arguments become graph inputs (so a graph traced on one decoder layer runs every layer
+with that layer's weights), everything else the call depends on (shapes, flags, ``None``) is
+specialised and becomes part of the guard key. ``derive_joint`` differentiates the forward graph,
+after the forward passes ran, with respect to the inputs that need gradients: since ``lora_match``
+replaced each LoRA layer by ``loracc::lora_linear`` before this, the backward of every matched layer
+is loracc's own backward op by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from . import _compat
+from .errors import Unsupported
+from .graph import info, output_node, param_role, placeholders
+
+CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclass
+class CallSignature:
+    """What a compiled graph was specialised to; two calls with equal ``key`` share a graph."""
+
+    key: tuple
+    tensors: list[torch.Tensor]
+    spec: object
+    leaves: list
+
+    def rebuild(self, tensors):
+        """``(args, kwargs)`` of the call with its tensor leaves replaced by ``tensors``."""
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
+        return _compat.tree_unflatten(leaves, self.spec)
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+
+
+def call_signature(args: tuple, kwargs: dict) -> CallSignature:
+    """Flatten a call's arguments; raise ``Unsupported`` for a value that cannot be specialised."""
+    leaves, spec = _compat.tree_flatten((args, kwargs))
+    key, tensors = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            key.append(tensor_key(leaf) + (leaf.is_contiguous(),))
+        elif isinstance(leaf, CONSTANT_TYPES):
+            key.append(leaf)
+        else:
+            raise Unsupported(f"argument {i} is a {type(leaf).__name__}, which loracc cannot specialise on")
+    return CallSignature(key=(str(spec), tuple(key)), tensors=tensors, spec=spec, leaves=leaves)
+
+
+@dataclass
+class CapturedForward:
+    gm: fx.GraphModule
+    param_names: list[str]
+    out_spec: object = None
+    out_leaves: list = field(default_factory=list)
+
+    def rebuild_output(self, tensors):
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.out_leaves]
+        return _compat.tree_unflatten(leaves, self.out_spec)
+
+
+def module_state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and tensors of a module's parameters then buffers, the graph's first inputs."""
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return [n for n, _ in named], [t for _, t in named]
+
+
+def capture_forward(module: nn.Module, module_path: str, signature: CallSignature) -> CapturedForward:
+    """Trace ``module(*args, **kwargs)`` into an ATen graph whose inputs are state + tensor args."""
+    names, state = module_state(module)
+    captured = CapturedForward(gm=None, param_names=names)
+
+    def flat_forward(*flat):
+        args, kwargs = signature.rebuild(flat[len(state):])
+        out = torch.func.functional_call(module, dict(zip(names, flat[: len(state)])), args, kwargs, strict=True)
+        leaves, captured.out_spec = _compat.tree_flatten(out)
+        for leaf in leaves:
+            if not isinstance(leaf, (torch.Tensor,) + CONSTANT_TYPES):
+                raise Unsupported(f"returns a {type(leaf).__name__}, which loracc cannot pass through")
+        captured.out_leaves = leaves
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    patched_forward = module.__dict__.pop("forward", None)  # trace the module's own forward
+    try:
+        with _SourceTracker(module, module_path):
+            gm = _compat.trace(flat_forward, state + signature.tensors)
+    except Unsupported:
+        raise
+    except Exception as exc:  # anything the tracer cannot follow runs eagerly
+        raise Unsupported(f"tracing failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    finally:
+        if patched_forward is not None:
+            module.forward = patched_forward
+
+    for node, name, tensor in zip(placeholders(gm), names, state):
+        role = param_role(name, tensor) if name in dict(module.named_parameters(remove_duplicate=False)) else "buffer"
+        _compat.rename_node(node, name.replace(".", "_"))
+        info(node).update(role=role, phase="forward", name=name)
+    for i, node in enumerate(placeholders(gm)[len(state):]):
+        _compat.rename_node(node, f"arg{i}")
+        info(node).update(role="input", phase="forward", name=f"argument {i}")
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            meta = info(node)
+            meta.setdefault("role", "activation")
+            meta["phase"] = "forward"
+            source = node.meta.get("custom", {}).get("module")
+            if source is not None:
+                meta["module"] = source
+    gm.recompile()
+    captured.gm = gm
+    return captured
+
+
+class _SourceTracker:
+    """Module hooks that tag every traced node with the path of the module that produced it."""
+
+    def __init__(self, root: nn.Module, root_path: str):
+        self.paths = {id(m): ".".join(p for p in (root_path, name) if p) for name, m in root.named_modules()}
+        self.stack: list[str | None] = []
+        self.handles = []
+
+    def __enter__(self):
+        self.handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._enter),
+            nn.modules.module.register_module_forward_hook(self._exit),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _enter(self, module, args):
+        path = self.paths.get(id(module))
+        if path is not None:
+            self.stack.append(path)
+            _compat.set_current_source(path)
+
+    def _exit(self, module, args, output):
+        if id(module) in self.paths and self.stack:
+            self.stack.pop()
+            _compat.set_current_source(self.stack[-1] if self.stack else None)
+
+
+def derive_joint(fwd: fx.GraphModule, needs_grad: list[bool]) -> fx.GraphModule:
+    """The joint graph ``(*inputs, *tangents) -> (*outputs, *input_grads)``.
+
+    One tangent per floating-point output; one gradient output per input with ``needs_grad``
+    (``None`` where the input does not influence the outputs).
+    """
+    inputs = placeholders(fwd)
+    outs = output_node(fwd).args[0]
+    out_vals = [o.meta["val"] for o in outs]
+    differentiable = [v.is_floating_point() for v in out_vals]
+    n_in = len(inputs)
+
+    def joint(*flat):
+        primals = [p.detach().requires_grad_(True) if g else p for p, g in zip(flat[:n_in], needs_grad)]
+        tangents = flat[n_in:]
+        with torch.enable_grad():
+            results = fx.Interpreter(fwd).run(*primals)
+        pairs = [(r, t) for r, t, d in zip(results, tangents, differentiable) if d and r.requires_grad]
+        wrt = [p for p, g in zip(primals, needs_grad) if g]
+        grads = [None] * len(wrt)
+        if pairs and wrt:
+            grads = list(torch.autograd.grad([r for r, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True))
+        return list(results) + grads
+
+    tangent_examples = [v for v, d in zip(out_vals, differentiable) if d]
+    examples = [n.meta["val"] for n in inputs] + tangent_examples
+    gm = _compat.trace(joint, examples)
+
+    joint_inputs = placeholders(gm)
+    for src, node in zip(inputs, joint_inputs):
+        _compat.rename_node(node, src.name)
+        node.meta["loracc"] = dict(info(src))
+    for i, node in enumerate(joint_inputs[n_in:]):
+        _compat.rename_node(node, f"tangent{i}")
+        info(node).update(role="tangent", phase="backward", name=f"gradient of output {i}")
+    _annotate_joint(gm, n_in, len(outs))
+    gm.recompile()
+    return gm
+
+
+def _annotate_joint(gm: fx.GraphModule, n_inputs: int, n_outputs: int) -> None:
+    """Phase: backward for every node that depends on a tangent. Role: gradient for grad outputs."""
+    backward = set()
+    for node in gm.graph.nodes:
+        meta = info(node)
+        if node.op == "placeholder":
+            if meta.get("role") == "tangent":
+                backward.add(node)
+            continue
+        if node.op == "output":
+            continue
+        meta.setdefault("role", "activation")
+        if any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+        meta["phase"] = "backward" if node in backward else "forward"
+        source = node.meta.get("custom", {}).get("module")
+        if source is None:
+            source = next((info(a).get("module") for a in node.all_input_nodes if info(a).get("module")), None)
+        if source is not None:
+            meta["module"] = source
+    for grad in output_node(gm).args[0][n_outputs:]:
+        if isinstance(grad, fx.Node):
+            info(grad)["role"] = "gradient"

@@ -1,0 +1,37 @@
+"""Codegen: turn an optimized fx graph into something that runs.
+
+A backend has a ``name`` and ``compile(gm, stage) -> callable``: it receives the forward or the
+backward graph of a region after every pass and returns the function the runtime calls with the
+graph's inputs, which must return the graph's outputs as a list.
+
+- ``eager``: runs the graph's ATen ops (and the reference implementations of loracc's ops) as they
+  are; works on every device, and is the CPU path.
+
+``backend="auto"`` picks the best backend available for the model's device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import LoraccError
+
+
+class EagerBackend:
+    """Runs the optimized graph with ATen ops: the fx graph's generated Python code, as is."""
+
+    name = "eager"
+
+    def compile(self, gm: fx.GraphModule, stage: str):
+        return gm
+
+
+BACKENDS = {"eager": EagerBackend}
+
+
+def get_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "eager"
+    if name not in BACKENDS:
+        raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
+    return BACKENDS[name]()

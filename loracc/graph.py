@@ -1,0 +1,77 @@
+"""Node annotations shared by every stage: role, phase, source module, bytes.
+
+Each node carries ``node.meta["loracc"]``, a dict with
+
+- ``role``: ``input``, ``frozen_weight``, ``lora_A``, ``lora_B``, ``trainable``, ``buffer`` (graph
+  inputs), ``tangent`` (incoming output gradients), ``activation`` (anything computed) or
+  ``gradient`` (a gradient the graph returns);
+- ``phase``: ``forward`` or ``backward``;
+- ``module``: the path of the module the node comes from, where known;
+- ``name``: for inputs, the parameter path or argument position they stand for.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+ROLES = ("input", "frozen_weight", "lora_A", "lora_B", "trainable", "buffer", "tangent", "activation", "gradient")
+INPUT_ROLES = ("input", "frozen_weight", "lora_A", "lora_B", "trainable", "buffer", "tangent")
+
+
+def info(node: fx.Node) -> dict:
+    return node.meta.setdefault("loracc", {})
+
+
+def role(node: fx.Node) -> str | None:
+    return info(node).get("role")
+
+
+def value(node: fx.Node):
+    """The fake value recorded for ``node`` at trace time (a tensor, a tuple of them, or None)."""
+    return node.meta.get("val")
+
+
+def tensor_bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    return tensor_bytes(value(node))
+
+
+def describe_value(val) -> str:
+    if isinstance(val, torch.Tensor):
+        dtype = str(val.dtype).replace("torch.", "")
+        return f"{dtype}[{', '.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (list, tuple)):
+        return "(" + ", ".join(describe_value(v) for v in val) + ")"
+    return type(val).__name__ if val is not None else "-"
+
+
+def param_role(name: str, param: torch.Tensor) -> str:
+    """Role of a module parameter from its path and ``requires_grad``."""
+    if not param.requires_grad:
+        return "frozen_weight"
+    leaf = name.split(".")
+    if "lora_A" in leaf or "lora_a" in leaf:
+        return "lora_A"
+    if "lora_B" in leaf or "lora_b" in leaf:
+        return "lora_B"
+    return "trainable"
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def output_values(gm: fx.GraphModule) -> list:
+    args = output_node(gm).args[0]
+    return list(args) if isinstance(args, (list, tuple)) else [args]

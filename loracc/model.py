@@ -1,0 +1,346 @@
+"""From a user's model to regions: validation, region discovery, and installing the runtime.
+
+Regions:
+
+- **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules (a decoder's layers);
+  layers whose structure is the same (parameters, flags such as a sliding window) share one region,
+  so a model is captured once however deep it is;
+- **head**: for a Hugging Face causal LM, the final norm + vocabulary projection + loss;
+- **model**: a model with neither is one region.
+
+Everything else (embeddings, masks, rotary tables, the model's Python control flow) stays eager.
+The model object stays the user's: only the ``forward`` of the compiled modules is replaced, and
+``loracc.uncompile`` puts it back.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .codegen import get_backend
+from .errors import LoraccError
+from .graph import param_role
+from .runtime import Region
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Attributes that differ between otherwise identical layers without changing their training graph.
+LAYER_ATTRIBUTES_IGNORED = {"layer_idx"}
+
+
+@dataclass
+class CompiledState:
+    regions: list[Region]
+    backend: object
+    lora_layers: list[str]
+    trainable_params: int
+    frozen_params: int
+    memory_budget: object
+    patched: list[nn.Module] = field(default_factory=list)
+    no_region_reason: str | None = None
+
+
+def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> nn.Module:
+    """Compile ``model``'s LoRA training step in place and return it.
+
+    The returned object is ``model`` itself: its parameters, ``state_dict``, PEFT's
+    ``save_pretrained`` and the user's optimizer keep working. Training calls (``model.train()``
+    with gradients enabled) run loracc's compiled regions; every other call runs eagerly.
+
+    ``memory_budget``: ``None`` for the fastest plan. ``backend``: ``"auto"`` or ``"eager"``.
+    """
+    if not isinstance(model, nn.Module):
+        raise LoraccError(f"loracc.compile expects a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "_loracc", None) is not None:
+        return model
+    if not isinstance(backend, str):
+        raise LoraccError(f"backend must be a string such as 'auto' or 'eager', got {type(backend).__name__}")
+    _check_budget(memory_budget)
+    device = _check_parameters(model)
+    lora_layers = find_lora_layers(model)
+    if not lora_layers:
+        raise LoraccError(
+            "loracc.compile found no LoRA layers (parameters named lora_A/lora_B): wrap the model with "
+            "peft.get_peft_model(model, LoraConfig(...)) or build it with loracc.LoRALinear"
+        )
+    trainable, frozen = count_parameters(model)
+    state = CompiledState(
+        regions=[], backend=get_backend(backend, device), lora_layers=lora_layers,
+        trainable_params=trainable, frozen_params=frozen, memory_budget=memory_budget,
+    )
+    _install(model, state)
+    model._loracc = state
+    return model
+
+
+def uncompile(model: nn.Module) -> nn.Module:
+    """Undo ``compile``: every patched module gets its own ``forward`` back."""
+    state = getattr(model, "_loracc", None)
+    if state is not None:
+        for module in state.patched:
+            module.__dict__.pop("forward", None)
+        del model._loracc
+    return model
+
+
+def _check_budget(budget) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise LoraccError(f"memory_budget must be None, a fraction in [0, 1], a byte count or a string like '8GB'; got {budget!r}")
+    if isinstance(budget, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)\s*", budget, re.I):
+        raise LoraccError(f"memory_budget {budget!r} is not a size: write it like '8GB' or '512MiB'")
+    if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
+        raise LoraccError(f"memory_budget as a float is a fraction of the saved activations, in [0, 1]; got {budget}")
+    raise LoraccError(
+        "memory_budget: rematerialization under a budget is not available in this version of loracc; "
+        "compile with memory_budget=None (the fastest plan)"
+    )
+
+
+def _check_parameters(model: nn.Module) -> torch.device:
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise LoraccError(
+            "loracc.compile: the model has no trainable parameters, so there is nothing to train; "
+            "add LoRA adapters (peft.get_peft_model) or set requires_grad=True on the adapter weights"
+        )
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise LoraccError(
+            f"loracc.compile: the model's parameters are on several devices ({', '.join(devices)}); "
+            "move the whole model to one device first, e.g. model.to('cuda')"
+        )
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype not in SUPPORTED_DTYPES:
+            raise LoraccError(
+                f"loracc.compile: parameter {name} is {p.dtype}; loracc supports float32, bfloat16 and "
+                f"float16: convert the model, e.g. model.to(torch.bfloat16)"
+            )
+    return params[0].device
+
+
+def find_lora_layers(model: nn.Module) -> list[str]:
+    """Paths of the modules that own LoRA weights (``lora_A``/``lora_B`` parameters)."""
+    layers = []
+    for name, param in model.named_parameters():
+        if param_role(name, param) == "lora_A":
+            parts = name.split(".")
+            cut = parts.index("lora_A") if "lora_A" in parts else parts.index("lora_a")
+            layers.append(".".join(parts[:cut]))
+    return list(dict.fromkeys(layers))
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) element counts, each shared tensor counted once."""
+    seen, trainable, frozen = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return trainable, frozen
+
+
+def _install(model: nn.Module, state: CompiledState) -> None:
+    blocks = _find_block_lists(model)
+    for list_path, owner, layers in blocks:
+        for group in _group_layers(layers):
+            paths = [f"{list_path}.{i}" for i, _ in group]
+            region = Region(
+                name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
+                kind="block", modules=paths, backend=state.backend,
+            )
+            state.regions.append(region)
+            for (index, layer), path in zip(group, paths):
+                _patch(state, layer, lambda m, p=path, r=region: _block_forward(r, m, p))
+        _patch_use_cache(state, owner)
+    head = _causal_lm(model)
+    if head is not None:
+        lm, base = head
+        region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
+                        modules=["norm", "lm_head", "loss"], backend=state.backend)
+        state.regions.append(region)
+        _patch(state, lm, lambda m: _head_forward(region, m, base))
+    if not state.regions:
+        region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend)
+        state.regions.append(region)
+        _patch(state, model, lambda m: _block_forward(region, m, type(m).__name__))
+
+
+def _patch(state: CompiledState, module: nn.Module, make_forward) -> None:
+    module.forward = make_forward(module)
+    state.patched.append(module)
+
+
+def _block_forward(region: Region, module: nn.Module, path: str):
+    eager = type(module).forward.__get__(module)
+
+    def forward(*args, **kwargs):
+        return region.run(module, path, eager, args, kwargs)
+
+    return forward
+
+
+def _find_block_lists(model: nn.Module):
+    """The outermost ModuleLists of ≥ 2 same-class modules with parameters, and their owners."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _, _ in found):
+            continue
+        classes = {type(m) for m in module}
+        if len(classes) == 1 and any(True for _ in module[0].parameters()) and find_lora_layers(module):
+            owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            found.append((name, owner, list(enumerate(module))))
+    return found
+
+
+def _group_layers(layers):
+    groups: dict = {}
+    for index, layer in layers:
+        groups.setdefault(_fingerprint(layer, index), []).append((index, layer))
+    return list(groups.values())
+
+
+def _plain(value, index: int):
+    """A hashable copy of a plain Python value; a layer's own index in path strings reads '#'."""
+    if isinstance(value, str):
+        return re.sub(rf"(?<=\.){index}(?=\.|$)", "#", value)
+    if isinstance(value, (bool, int, float, type(None))):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_plain(v, index) for v in value]
+        return _NOT_PLAIN if any(i is _NOT_PLAIN for i in items) else tuple(items)
+    if isinstance(value, dict):
+        items = {k: _plain(v, index) for k, v in value.items()}
+        return _NOT_PLAIN if any(i is _NOT_PLAIN for i in items.values()) else tuple(sorted(items.items(), key=str))
+    return _NOT_PLAIN
+
+
+_NOT_PLAIN = object()
+
+
+def _fingerprint(layer: nn.Module, index: int) -> tuple:
+    """Everything of a layer that its traced graph depends on, except the tensors' values."""
+    parts = []
+    for name, m in layer.named_modules():
+        attrs = []
+        for key, value in vars(m).items():
+            plain = _plain(value, index)
+            if not key.startswith("_") and key not in LAYER_ATTRIBUTES_IGNORED and plain is not _NOT_PLAIN:
+                attrs.append((key, plain))
+        parts.append((name, type(m).__qualname__, tuple(sorted(attrs, key=str))))
+    tensors = tuple(
+        (n, tuple(t.shape), t.dtype, t.requires_grad)
+        for n, t in list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers())
+    )
+    return tuple(parts), tensors
+
+
+def _patch_use_cache(state: CompiledState, owner: nn.Module) -> None:
+    """Training calls of a Hugging Face decoder get ``use_cache=False`` unless the caller asks."""
+    try:
+        signature = inspect.signature(type(owner).forward)
+    except (TypeError, ValueError):
+        return
+    if "use_cache" not in signature.parameters or owner in state.patched:
+        return
+    eager = type(owner).forward.__get__(owner)
+
+    def forward(*args, **kwargs):
+        if owner.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False
+        return eager(*args, **kwargs)
+
+    _patch(state, owner, lambda m: forward)
+
+
+def _causal_lm(model: nn.Module):
+    """``(causal_lm, decoder)`` for a Hugging Face ``*ForCausalLM`` inside ``model``, else None."""
+    for module in model.modules():
+        decoder = getattr(module, "model", None)
+        if (
+            type(module).__name__.endswith("ForCausalLM")
+            and isinstance(getattr(module, "lm_head", None), nn.Linear)
+            and isinstance(getattr(decoder, "norm", None), nn.Module)
+            and hasattr(module, "loss_function")
+        ):
+            return module, decoder
+    return None
+
+
+class _Head(nn.Module):
+    """Final norm + vocabulary projection + the model's own loss function, as one traceable call."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function, vocab_size: int):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        self.loss_function, self.vocab_size = loss_function, vocab_size
+
+    def forward(self, hidden_states, labels, num_items_in_batch=None):
+        logits = self.lm_head(self.norm(hidden_states))
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                  num_items_in_batch=num_items_in_batch)
+        return loss, logits
+
+
+def _head_forward(region: Region, lm: nn.Module, decoder: nn.Module):
+    eager = type(lm).forward.__get__(lm)
+    signature = inspect.signature(type(lm).forward)
+    head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size)
+    fused_keys = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
+
+    def forward(*args, **kwargs):
+        try:
+            bound = signature.bind(lm, *args, **kwargs)
+        except TypeError:
+            return eager(*args, **kwargs)
+        call = dict(bound.arguments)
+        call.pop("self", None)
+        call.update(call.pop("kwargs", {}))
+        labels = call.get("labels")
+        extra = [k for k, v in call.items() if k not in fused_keys and not _is_default(k, v)]
+        if not (lm.training and torch.is_grad_enabled()) or labels is None or extra:
+            return eager(*args, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        with _deferred(decoder.norm):
+            outputs = decoder(
+                input_ids=call.get("input_ids"), attention_mask=call.get("attention_mask"),
+                position_ids=call.get("position_ids"), inputs_embeds=call.get("inputs_embeds"), use_cache=False,
+            )
+        items = call.get("num_items_in_batch")
+        if items is not None and not isinstance(items, torch.Tensor):
+            items = torch.tensor(items, device=labels.device)
+        head.train(lm.training)
+        loss, logits = region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
+                                  {"num_items_in_batch": items} if items is not None else {})
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    return forward
+
+
+def _is_default(key: str, value) -> bool:
+    """True for keyword values that leave a causal LM's training call as the head region runs it."""
+    if key == "return_dict":
+        return value is not False
+    return value is None or value is False or (type(value) is int and value == 0)
+
+
+@contextlib.contextmanager
+def _deferred(norm: nn.Module):
+    """Let ``norm`` pass its input through: the head region applies it."""
+    norm.forward = lambda hidden_states, *args, **kwargs: hidden_states
+    try:
+        yield
+    finally:
+        del norm.forward

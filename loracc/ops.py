@@ -1,0 +1,139 @@
+"""loracc's own graph ops, registered with ``torch.library``.
+
+Every op has a reference implementation in ATen, so a graph that uses them still runs eagerly on
+any device; the code generators replace them with fused kernels where that pays.
+
+``loracc::lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_x)`` computes
+
+    y = x @ weightᵀ + bias + scale · ((lora_x @ lora_aᵀ) @ lora_bᵀ)
+
+with ``lora_x`` the (dropped-out) input of the LoRA branch; ``None`` means ``lora_x is x``. The
+frozen ``weight`` and ``bias`` never get a gradient; when the LoRA weights have another dtype than
+``x`` (PEFT keeps adapters in fp32 next to a bf16 base), the branch runs in the adapter dtype and
+the sum is cast back to the base dtype, as PEFT does.
+
+Its backward is the op ``loracc::lora_linear_backward``. It saves only the LoRA branch's input (the
+frozen base needs no ``x`` for its input gradient); the rank-r product ``u = lora_x @ lora_aᵀ`` is
+recomputed there (``T × r``: a few percent of the base GEMM's FLOPs) rather than saved.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def _lora_branch_input(x: Tensor, lora_x: Tensor | None, lora_a: Tensor) -> Tensor:
+    return (x if lora_x is None else lora_x).to(lora_a.dtype)
+
+
+@torch.library.custom_op("loracc::lora_linear", mutates_args=())
+def lora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    lora_x: Tensor | None,
+) -> Tensor:
+    base = F.linear(x, weight, bias)
+    u = F.linear(_lora_branch_input(x, lora_x, lora_a), lora_a)
+    lora = F.linear(u, lora_b) * scale
+    return (base + lora).to(base.dtype)
+
+
+@lora_linear.register_fake
+def _(x, weight, bias, lora_a, lora_b, scale, lora_x):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("loracc::lora_linear_backward", mutates_args=())
+def lora_linear_backward(
+    grad_y: Tensor,
+    lora_in: Tensor,
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    lora_in_is_x: bool,
+    need_grad_x: bool,
+    need_grad_lora_in: bool,
+    need_grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dx, dlora_in, dlora_a, dlora_b, dbias)``; those not asked for are empty.
+
+    ``lora_in`` is the LoRA branch's input (``x`` itself when ``lora_in_is_x``, else the dropped-out
+    ``lora_x``): dB = s·dYᵀ·u, dU = s·dY·B, dA = dUᵀ·lora_in, dX = dY·W (+ dU·A when the branch
+    reads ``x`` itself, so that ``x`` gets one gradient).
+    """
+    out_features, in_features = weight.shape
+    lead = grad_y.shape[:-1]
+    xin = lora_in.to(lora_a.dtype).reshape(-1, in_features)
+    gy = grad_y.reshape(-1, out_features)
+    gy_lora = gy.to(lora_a.dtype)
+    u = xin @ lora_a.t()
+    grad_b = (gy_lora.t() @ u) * scale
+    grad_u = (gy_lora @ lora_b) * scale
+    grad_a = grad_u.t() @ xin
+    grad_x = grad_lora_in = None
+    if need_grad_x:
+        grad_x = gy @ weight
+        if lora_in_is_x:
+            grad_x = torch.addmm(grad_x, grad_u.to(grad_x.dtype), lora_a.to(grad_x.dtype))
+        grad_x = grad_x.reshape(*lead, in_features)
+    if need_grad_lora_in and not lora_in_is_x:
+        grad_lora_in = (grad_u @ lora_a).to(lora_in.dtype).reshape(lora_in.shape)
+    grad_bias = gy.sum(0) if need_grad_bias else None
+    return _or_empty(grad_x, grad_y), _or_empty(grad_lora_in, grad_y), grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype), _or_empty(grad_bias, grad_y)
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """Custom ops return tensors, never None, and no two outputs may alias: a fresh empty one."""
+    return like.new_empty(0) if t is None else t
+
+
+@lora_linear_backward.register_fake
+def _(grad_y, lora_in, weight, lora_a, lora_b, scale, lora_in_is_x, need_grad_x, need_grad_lora_in, need_grad_bias):
+    grad_x = grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1])) if need_grad_x else None
+    grad_lora_in = lora_in.new_empty(lora_in.shape) if need_grad_lora_in and not lora_in_is_x else None
+    grad_bias = grad_y.new_empty(weight.shape[0]) if need_grad_bias else None
+    return (_or_empty(grad_x, grad_y), _or_empty(grad_lora_in, grad_y), lora_a.new_empty(lora_a.shape),
+            lora_b.new_empty(lora_b.shape), _or_empty(grad_bias, grad_y))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, lora_a, lora_b, scale, lora_x = inputs
+    ctx.lora_in_is_x = lora_x is None
+    ctx.save_for_backward(x if lora_x is None else lora_x, weight, lora_a, lora_b)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_y):
+    lora_in, weight, lora_a, lora_b = ctx.saved_tensors
+    need_x, need_w, need_bias, need_a, need_b, _, need_lora_x = ctx.needs_input_grad
+    if need_w:
+        raise RuntimeError(
+            "loracc::lora_linear got a base weight that requires grad; loracc trains LoRA adapters "
+            "over a frozen base: call weight.requires_grad_(False) on the base layer, or keep this "
+            "layer out of loracc.compile"
+        )
+    grad_x, grad_lora_x, grad_a, grad_b, grad_bias = lora_linear_backward(
+        grad_y, lora_in, weight, lora_a, lora_b, ctx.scale, ctx.lora_in_is_x, need_x, need_lora_x, need_bias
+    )
+    return (
+        grad_x if need_x else None,
+        None,
+        grad_bias if need_bias else None,
+        grad_a if need_a else None,
+        grad_b if need_b else None,
+        None,
+        grad_lora_x if need_lora_x and not ctx.lora_in_is_x else None,
+    )
+
+
+lora_linear.register_autograd(_backward, setup_context=_setup_context)
+
+LORA_LINEAR = torch.ops.loracc.lora_linear.default
+LORA_LINEAR_BACKWARD = torch.ops.loracc.lora_linear_backward.default

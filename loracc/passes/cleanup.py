@@ -1,0 +1,77 @@
+"""cleanup: drop dead nodes and fold each traced linear back into one ``aten.linear`` node.
+
+Requires: an ATen-level forward graph from ``capture_forward``.
+Guarantees: the same function; no node without users unless it has side effects (random ops and
+other in-place ops stay); every ``x @ Wᵀ (+ b)`` that the tracer split into ``t``/``view``/``mm``/
+``addmm``/``_unsafe_view`` is one ``aten.linear(x, W, b)`` node, so later passes match one shape.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..graph import info
+from . import PassResult
+
+aten = torch.ops.aten
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def cleanup(gm: fx.GraphModule) -> PassResult:
+    # Last node first, so that a 3-d linear (view, mm, _unsafe_view) folds whole before its 2-d mm.
+    folded = sum(_fold_linear(node) for node in reversed(list(gm.graph.nodes)))
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return PassResult(gm, {"linears folded": folded, "dead nodes removed": before - len(gm.graph.nodes)})
+
+
+def _fold_linear(node: fx.Node) -> bool:
+    """Replace the node that ends a traced linear by ``aten.linear``; True if it did."""
+    if node.op != "call_function" or not node.users:
+        return False
+    if node.target in VIEWS:
+        inner, out_shape = node.args[0], list(node.args[1])
+        flat = _linear_2d(inner)
+        if flat is None or not isinstance(flat[0], fx.Node) or flat[0].target not in VIEWS:
+            return False
+        x = flat[0].args[0]
+    else:
+        flat = _linear_2d(node)
+        if flat is None or _val(flat[0]) is None or _val(flat[0]).dim() != 2:
+            return False
+        x, out_shape = flat[0], None
+    _, weight, bias = flat
+    x_val, w_val = _val(x), _val(weight)
+    if x_val is None or w_val is None or x_val.shape[-1] != w_val.shape[1]:
+        return False
+    if out_shape is not None and [int(s) for s in out_shape] != [*x_val.shape[:-1], w_val.shape[0]]:
+        return False
+    with node.graph.inserting_before(node):
+        linear = node.graph.call_function(aten.linear.default, (x, weight, bias))
+    linear.meta.update(node.meta)
+    info(linear).update(info(node))
+    node.replace_all_uses_with(linear)
+    return True
+
+
+def _linear_2d(node) -> tuple | None:
+    """``(x2d, W, bias)`` if ``node`` is ``mm(x2d, t(W))`` or ``addmm(b, x2d, t(W))``."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target == aten.mm.default:
+        bias, (x, wt) = None, node.args
+    elif node.target == aten.addmm.default and not node.kwargs:
+        bias, x, wt = node.args
+        if _val(bias) is None or _val(bias).dim() != 1:
+            return None
+    else:
+        return None
+    if not (isinstance(wt, fx.Node) and wt.target == aten.t.default):
+        return None
+    return x, wt.args[0], bias
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None

@@ -1,0 +1,141 @@
+"""lora_match: replace every LoRA layer by one ``loracc::lora_linear`` node.
+
+Requires: a forward graph after ``cleanup`` (linears are ``aten.linear`` nodes) whose inputs carry
+roles (``frozen_weight``, ``lora_A``, ``lora_B``).
+Guarantees: the same function. Each subgraph
+
+    y = linear(x, W, b) + s · linear(linear(x', A), B)        (either operand order, s = 1 allowed)
+
+with ``W`` frozen, ``A``/``B`` LoRA weights, ``x'`` = ``x`` or anything computed from it (dropout,
+a cast: it stays in the graph, so a dropout mask is drawn once and reused by the backward), and an
+optional cast of ``y`` back to the base dtype, becomes ``lora_linear(x, W, b, A, B, s, x' or None)``
+when its intermediates have no other users. LoRA weights left unmatched (another adapter type, a
+pattern not recognised) are reported with the reason; their layers keep their ATen ops, whose
+gradients autograd derives, so they stay correct.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..graph import info, placeholders, role
+from ..ops import LORA_LINEAR
+from . import PassResult
+
+aten = torch.ops.aten
+CASTS = (aten._to_copy.default, aten.to.dtype)
+
+
+def lora_match(gm: fx.GraphModule) -> PassResult:
+    matched = []
+    for node in list(gm.graph.nodes):
+        layer = _match_add(node)
+        if layer is not None:
+            matched.append(_replace(gm.graph, *layer))
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    used = {a for n in gm.graph.nodes if n.target is LORA_LINEAR for a in n.args[3:5]}
+    unmatched = [
+        info(p).get("name", p.name)
+        for p in placeholders(gm)
+        if role(p) in ("lora_A", "lora_B") and p not in used and p.users
+    ]
+    report = {"matched": len(matched), "layers": matched}
+    if unmatched:
+        report["unmatched"] = {name: "not in the pattern x@Wᵀ + s·(x'@Aᵀ)@Bᵀ over a frozen W" for name in unmatched}
+    return PassResult(gm, report)
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _only_user(node: fx.Node, user: fx.Node) -> bool:
+    return list(node.users) == [user]
+
+
+def _linear(node, weight_role: str):
+    """``(x, W, b)`` if ``node`` is ``aten.linear`` over a weight input with ``weight_role``."""
+    if not _is(node, aten.linear.default):
+        return None
+    x, weight, *rest = node.args
+    bias = rest[0] if rest else None
+    if weight.op != "placeholder" or role(weight) != weight_role:
+        return None
+    return x, weight, bias
+
+
+def _scaled(node):
+    """``(inner, s)`` for ``mul(inner, s)`` / ``mul(s, inner)``, ``(node, 1.0)`` otherwise."""
+    if _is(node, aten.mul.Tensor):
+        a, b = node.args
+        if isinstance(b, (int, float)):
+            return a, float(b)
+        if isinstance(a, (int, float)):
+            return b, float(a)
+    return node, 1.0
+
+
+def _match_add(add: fx.Node):
+    """The LoRA layer ending at ``add``, as ``(end, x, W, b, A, B, s, x')``, or None."""
+    if not (_is(add, aten.add.Tensor) and len(add.args) == 2 and add.kwargs.get("alpha", 1) == 1):
+        return None
+    for base, branch in (add.args, reversed(add.args)):
+        base_parts = _linear(base, "frozen_weight")
+        lora_scaled, scale = _scaled(branch)
+        b_parts = _linear(lora_scaled, "lora_B")
+        if base_parts is None or b_parts is None or b_parts[2] is not None:
+            continue
+        u, lora_b, _ = b_parts
+        a_parts = _linear(u, "lora_A")
+        if a_parts is None or a_parts[2] is not None:
+            continue
+        lora_in, lora_a, _ = a_parts
+        x, weight, bias = base_parts
+        chain = [(base, add), (u, lora_scaled)] + ([(lora_scaled, branch)] if branch is not lora_scaled else [])
+        if not all(_only_user(n, user) for n, user in chain) or not _only_user(branch, add):
+            continue
+        if lora_in is not x and not _derived_from(lora_in, x):
+            continue
+        end = _cast_back(add, base)
+        if end is None:
+            continue
+        return end, x, weight, bias, lora_a, lora_b, scale, (None if lora_in is x else lora_in)
+    return None
+
+
+def _derived_from(node: fx.Node, x: fx.Node, depth: int = 4) -> bool:
+    """True if ``node`` is computed from ``x`` within a few elementwise steps (dropout, casts)."""
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [a for n in frontier for a in n.all_input_nodes if n.op == "call_function"]
+        if x in frontier:
+            return True
+    return False
+
+
+def _cast_back(add: fx.Node, base: fx.Node):
+    """The node whose value the LoRA layer's output replaces: ``add`` or the cast after it."""
+    add_dtype, base_dtype = add.meta["val"].dtype, base.meta["val"].dtype
+    if add_dtype == base_dtype:
+        return add
+    users = list(add.users)
+    if len(users) == 1 and users[0].target in CASTS and users[0].meta["val"].dtype == base_dtype:
+        return users[0]
+    return None
+
+
+def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_x) -> str:
+    with graph.inserting_before(end):
+        fused = graph.call_function(LORA_LINEAR, (x, weight, bias, lora_a, lora_b, scale, lora_x))
+    fused.meta["val"] = end.meta["val"]
+    layer = info(weight).get("name", weight.name)
+    for suffix in (".base_layer.weight", ".weight"):
+        if layer.endswith(suffix):
+            layer = layer[: -len(suffix)]
+            break
+    info(fused).update(role="activation", phase="forward", module=layer, lora_layer=layer)
+    end.replace_all_uses_with(fused)
+    return layer
+

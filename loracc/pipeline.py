@@ -1,0 +1,77 @@
+"""The pipeline for one region call: capture → forward passes → joint → partition → codegen.
+
+``compile_call`` returns a ``Program``: the two callables the runtime runs, plus every stage's graph
+and every pass's report, for ``loracc dump`` and ``loracc.explain``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch import nn
+
+from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
+from .passes import FORWARD_PASSES, partition
+
+
+@dataclass
+class Program:
+    captured: CapturedForward
+    forward: object
+    backward: object
+    n_inputs: int
+    n_outputs: int
+    differentiable: list[bool]
+    grad_inputs: list[int]
+    stages: dict[str, fx.GraphModule] = field(default_factory=dict)
+    reports: dict[str, dict] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+
+
+def compile_call(module: nn.Module, path: str, signature: CallSignature, state: list, backend) -> Program:
+    start = time.perf_counter()
+    stages, reports = {}, {}
+    captured = capture_forward(module, path, signature)
+    gm = captured.gm
+    stages["captured"] = _snapshot(gm)
+    for pass_ in FORWARD_PASSES:
+        result = pass_(gm)
+        gm = result.gm
+        stages[pass_.__name__] = _snapshot(gm)
+        reports[pass_.__name__] = result.report
+
+    inputs = state + signature.tensors
+    needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
+    n_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
+    joint = derive_joint(gm, needs_grad)
+    stages["joint"] = joint
+    result = partition(joint, n_outputs)
+    reports["partition"] = result.report
+    parts = result.gm
+    stages["forward"] = parts.forward
+    stages["backward"] = parts.backward
+
+    out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
+    return Program(
+        captured=captured,
+        forward=backend.compile(parts.forward, "forward"),
+        backward=backend.compile(parts.backward, "backward"),
+        n_inputs=len(inputs),
+        n_outputs=n_outputs,
+        differentiable=[v.is_floating_point() for v in out_vals],
+        grad_inputs=[i for i, g in enumerate(needs_grad) if g],
+        stages=stages,
+        reports=reports,
+        compile_seconds=time.perf_counter() - start,
+    )
+
+
+def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` as it is now, so later passes rewriting it leave this stage intact."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for old, new in zip(gm.graph.nodes, graph.nodes):
+        new.meta = {**old.meta, "loracc": dict(old.meta.get("loracc", {}))}
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

@@ -1,0 +1,104 @@
+"""``loracc.explain(model)``: what loracc did to a model, as a printable report with fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import LoraccError
+
+
+@dataclass
+class RegionReport:
+    name: str
+    kind: str
+    modules: int
+    captures: int
+    calls: int
+    recompiles: list[str]
+    compile_seconds: float
+    lora_layers_matched: int
+    unmatched_lora: dict
+    saved_bytes: int | None
+    fallbacks: list
+
+
+@dataclass
+class Report:
+    regions: list[RegionReport]
+    lora_layers: list[str]
+    lora_layers_matched: list[str]
+    fallbacks: list
+    trainable_params: int
+    frozen_params: int
+    backend: str
+    eager_parts: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [
+            f"loracc: backend {self.backend}, {self.trainable_params:,} trainable / {self.frozen_params:,} frozen parameters",
+            f"LoRA layers: {len(self.lora_layers)} in the model, {len(self.lora_layers_matched)} matched by lora_match"
+            " (per compiled graph)",
+            "regions:",
+        ]
+        for r in self.regions:
+            saved = f", saves {r.saved_bytes / 2**20:.1f} MiB" if r.saved_bytes is not None else ""
+            lines.append(
+                f"  [{r.kind}] {r.name}: {r.modules} module(s), {r.captures} capture(s), {r.calls} compiled call(s), "
+                f"{r.lora_layers_matched} LoRA layer(s) fused{saved}, compiled in {r.compile_seconds:.2f} s"
+            )
+            for reason in r.recompiles:
+                lines.append(f"      recompiled: {reason}")
+            for name, reason in r.unmatched_lora.items():
+                lines.append(f"      not fused: {name}: {reason}")
+        lines.append("eager: " + (", ".join(self.eager_parts) or "nothing"))
+        if self.fallbacks:
+            lines.append("fallbacks to eager:")
+            lines.extend(f"  {f.module}: {f.reason}" for f in self.fallbacks)
+        else:
+            lines.append("fallbacks to eager: none")
+        return "\n".join(lines)
+
+
+def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
+    """Report on a compiled model. With an example batch, one training forward is run first, so
+    that every region is captured and the report covers the graphs it would train with."""
+    state = getattr(model, "_loracc", None)
+    if state is None:
+        raise LoraccError("loracc.explain needs a compiled model: call model = loracc.compile(model) first")
+    if example_args or example_kwargs:
+        was_training = model.training
+        model.train()
+        with torch.enable_grad():
+            model(*example_args, **example_kwargs)
+        model.train(was_training)
+    regions, matched, fallbacks = [], [], []
+    for region in state.regions:
+        program = region.latest
+        match = program.reports.get("lora_match", {}) if program else {}
+        layers = match.get("layers", [])
+        matched.extend(_qualify(region, layers))
+        fallbacks.extend(region.fallbacks)
+        regions.append(RegionReport(
+            name=region.name, kind=region.kind, modules=len(region.modules), captures=region.captures,
+            calls=region.calls, recompiles=list(region.recompile_reasons), compile_seconds=region.compile_seconds,
+            lora_layers_matched=len(layers), unmatched_lora=match.get("unmatched", {}),
+            saved_bytes=program.reports["partition"]["saved bytes"] if program else None,
+            fallbacks=list(region.fallbacks),
+        ))
+    eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
+    if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
+        eager.append("everything outside the repeated blocks")
+    return Report(
+        regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
+        trainable_params=state.trainable_params, frozen_params=state.frozen_params,
+        backend=state.backend.name, eager_parts=eager,
+    )
+
+
+def _qualify(region, layers: list[str]) -> list[str]:
+    """Matched layer names per module of a block region (its graph serves every layer)."""
+    if region.kind != "block":
+        return layers
+    return [f"{module}.{layer}" for module in region.modules for layer in layers]

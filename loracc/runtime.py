@@ -1,0 +1,130 @@
+"""Runtime: a compiled region runs its forward and backward graphs inside an autograd Function.
+
+A ``Region`` is a set of modules that share compiled graphs (every decoder layer of a model, or a
+single head). On each training call it looks up the graph specialised to the call's shapes,
+dtypes, devices and flags (compiling it on a miss: a recompile, counted), and runs it with the
+calling module's own parameters as inputs, so the user's parameters receive the gradients.
+Calls it cannot compile, and every call outside training (``eval()``, ``torch.no_grad()``,
+generation), run the module's original eager forward.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .capture import call_signature, module_state, tensor_key
+from .errors import Unsupported
+from .pipeline import Program, compile_call
+
+RECOMPILE_WARNING_AT = 8
+
+
+class _RegionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program: Program, *inputs):
+        results = program.forward(*inputs)
+        outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
+        ctx.program = program
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, program.differentiable) if not d])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        program: Program = ctx.program
+        tangents = [g.contiguous() for g, d in zip(grad_outputs, program.differentiable) if d]
+        grads = program.backward(*ctx.saved_tensors, *tangents)
+        result = [None] * program.n_inputs
+        for index, grad in zip(program.grad_inputs, grads):
+            result[index] = grad
+        return (None, *result)
+
+
+@dataclass
+class Fallback:
+    module: str
+    reason: str
+
+
+@dataclass
+class Region:
+    """Modules sharing compiled graphs: ``kind`` is ``block`` (repeated layers) or ``head``/``model``."""
+
+    name: str
+    kind: str
+    modules: list[str]
+    backend: object
+    programs: dict = field(default_factory=dict)
+    captures: int = 0
+    calls: int = 0
+    fallbacks: list[Fallback] = field(default_factory=list)
+    recompile_reasons: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    _warned_storm: bool = False
+
+    def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict):
+        if not (module.training and torch.is_grad_enabled()):
+            return eager_forward(*args, **kwargs)
+        try:
+            signature = call_signature(args, kwargs)
+        except Unsupported as exc:
+            self._fall_back(path, str(exc))
+            return eager_forward(*args, **kwargs)
+        _, state = module_state(module)
+        key = (signature.key, tuple(tensor_key(t) for t in state))
+        program = self.programs.get(key)
+        if program is None:
+            program = self._compile(module, path, signature, state, key)
+            if program is None:
+                return eager_forward(*args, **kwargs)
+        self.calls += 1
+        outputs = _RegionFunction.apply(program, *state, *signature.tensors)
+        return program.captured.rebuild_output(outputs)
+
+    def _compile(self, module, path, signature, state, key):
+        start = time.perf_counter()
+        try:
+            program = compile_call(module, path, signature, state, self.backend)
+        except Unsupported as exc:
+            self._fall_back(path, str(exc))
+            self.programs[key] = None
+            return None
+        self.compile_seconds += time.perf_counter() - start
+        if self.programs:
+            self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
+        self.programs[key] = program
+        self.captures += 1
+        if len(self.programs) >= RECOMPILE_WARNING_AT and not self._warned_storm:
+            self._warned_storm = True
+            warnings.warn(
+                f"loracc: region {self.name} was compiled for {len(self.programs)} different input "
+                "shapes; every new sequence length compiles again. Pad batches to a few lengths, e.g. "
+                "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64) or padding='max_length'",
+                stacklevel=4,
+            )
+        return program
+
+    def _fall_back(self, path: str, reason: str) -> None:
+        if not any(f.module == path and f.reason == reason for f in self.fallbacks):
+            self.fallbacks.append(Fallback(path, reason))
+            warnings.warn(f"loracc: {path} runs eagerly: {reason}", stacklevel=5)
+
+    @property
+    def latest(self) -> Program | None:
+        programs = [p for p in self.programs.values() if p is not None]
+        return programs[-1] if programs else None
+
+
+def _describe_change(old_key: tuple, new_key: tuple) -> str:
+    (old_spec, old_args), old_state = old_key
+    (new_spec, new_args), new_state = new_key
+    if old_spec != new_spec:
+        return "the call's argument structure changed"
+    for i, (a, b) in enumerate(zip(old_args, new_args)):
+        if a != b:
+            return f"argument leaf {i} changed from {a} to {b}"
+    return "a parameter's shape, dtype, device or requires_grad changed" if old_state != new_state else "unknown"
