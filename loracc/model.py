@@ -156,7 +156,7 @@ def _install(model: nn.Module, state: CompiledState) -> None:
             paths = [f"{list_path}.{i}" for i, _ in group]
             region = Region(
                 name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
-                kind="block", modules=paths, backend=state.backend,
+                kind="block", modules=paths, backend=state.backend, memory_budget=state.memory_budget,
             )
             state.regions.append(region)
             for (index, layer), path in zip(group, paths):
@@ -166,11 +166,13 @@ def _install(model: nn.Module, state: CompiledState) -> None:
     if head is not None:
         lm, base = head
         region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
-                        modules=["norm", "lm_head", "loss"], backend=state.backend)
+                        modules=["norm", "lm_head", "loss"], backend=state.backend,
+                        memory_budget=state.memory_budget)
         state.regions.append(region)
         _patch(state, lm, lambda m: _head_forward(region, m, base))
     if not state.regions:
-        region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend)
+        region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
+                        memory_budget=state.memory_budget)
         state.regions.append(region)
         _patch(state, model, lambda m: _block_forward(region, m, type(m).__name__))
 

@@ -29,7 +29,7 @@ class Program:
     compile_seconds: float = 0.0
 
 
-def compile_call(module: nn.Module, path: str, signature: CallSignature, state: list, backend) -> Program:
+def compile_call(module: nn.Module, path: str, signature: CallSignature, state: list, backend, *, memory_budget=None) -> Program:
     start = time.perf_counter()
     stages, reports = {}, {}
     captured = capture_forward(module, path, signature)

@@ -58,6 +58,7 @@ class Region:
     kind: str
     modules: list[str]
     backend: object
+    memory_budget: object = None
     programs: dict = field(default_factory=dict)
     captures: int = 0
     calls: int = 0
@@ -88,7 +89,7 @@ class Region:
     def _compile(self, module, path, signature, state, key):
         start = time.perf_counter()
         try:
-            program = compile_call(module, path, signature, state, self.backend)
+            program = compile_call(module, path, signature, state, self.backend, memory_budget=self.memory_budget)
         except Unsupported as exc:
             self._fall_back(path, str(exc))
             self.programs[key] = None
