@@ -1,0 +1,169 @@
+"""loracc.io: base weights from safetensors (single, sharded, prefixed, PEFT-wrapped), atomic adapter
+saves, and the errors a user meets with a missing, mismatched or corrupt file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from transformers import BertConfig, BertForSequenceClassification, BertModel, LlamaConfig, LlamaForCausalLM
+
+from loracc import LoraccError
+from loracc.io import last_complete_checkpoint, load_base_weights, save_adapter
+
+
+def llama(hidden=64, tie=False, dtype=torch.float32):
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=101, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def poison(model):
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+
+
+def assert_state_equal(model, reference, dtype):
+    ref = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == dtype, name
+        assert torch.equal(tensor, ref[name].to(dtype)), name
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_single_file_into_bf16_model(tmp_path, tie):
+    source = llama(tie=tie)
+    source.save_pretrained(tmp_path)
+    model = llama(tie=tie, dtype=torch.bfloat16)
+    poison(model)
+    report = load_base_weights(model, tmp_path)
+    assert report.missing == [] and report.unexpected == []
+    assert_state_equal(model, source, torch.bfloat16)
+    if tie:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_sharded_checkpoint_into_peft_model(tmp_path):
+    source = llama()
+    source.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    model = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora_before = {n: p.clone() for n, p in model.named_parameters() if "lora_" in n}
+    poison(model.get_base_model())
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data.copy_(lora_before[n])
+    load_base_weights(model, tmp_path / "model.safetensors.index.json")
+    x = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        expected = source(x).logits
+        with model.disable_adapter():
+            got = model(x).logits
+    assert torch.equal(got, expected)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, lora_before[n]), f"{n} was changed"
+
+
+def test_bare_checkpoint_into_model_with_head(tmp_path):
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, vocab_size=97)
+    source = BertModel(config)
+    source.save_pretrained(tmp_path)
+    model = BertForSequenceClassification(config)
+    poison(model.bert)
+    with pytest.raises(LoraccError, match=r"classifier\.weight.*strict=False"):
+        load_base_weights(model, tmp_path / "model.safetensors")
+    report = load_base_weights(model, tmp_path, strict=False)
+    assert sorted(report.missing) == ["classifier.bias", "classifier.weight"]
+    assert_state_equal(model.bert, source, torch.float32)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(LoraccError, match="does not exist"):
+        load_base_weights(llama(), tmp_path / "nowhere.safetensors")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(LoraccError, match=r"no model\.safetensors.*pytorch_model\.bin.*convert"):
+        load_base_weights(llama(), tmp_path)
+    llama().save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(LoraccError, match=f"{shard.name}.*incomplete"):
+        load_base_weights(llama(), tmp_path / "sharded")
+
+
+def test_mismatched_checkpoint(tmp_path):
+    llama(hidden=32).save_pretrained(tmp_path)
+    with pytest.raises(LoraccError, match=r"weight in .*shape \[101, 32\].*\[101, 64\]"):
+        load_base_weights(llama(hidden=64), tmp_path)
+    save_file({"encoder.weight": torch.randn(3, 3)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(LoraccError, match=r"missing from the file: .*in the file but not in the model: encoder\.weight"):
+        load_base_weights(llama(), tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_file(tmp_path, damage):
+    llama().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage" + data[16:])
+    with pytest.raises(LoraccError, match="corrupt or truncated"):
+        load_base_weights(llama(), tmp_path)
+
+
+def test_meta_model_is_refused(tmp_path):
+    llama().save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = llama()
+    with pytest.raises(LoraccError, match="meta device"):
+        load_base_weights(model, tmp_path)
+
+
+def peft_llama():
+    return get_peft_model(llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def test_save_adapter_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
+    model = peft_llama()
+    target = save_adapter(model, tmp_path / "adapter")
+    assert {p.name for p in target.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    first = (target / "adapter_model.safetensors").read_bytes()
+
+    def interrupted(self, directory, **kwargs):
+        (directory / "adapter_model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_adapter(model, target)
+    assert (target / "adapter_model.safetensors").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "staging directories were left behind"
+    monkeypatch.undo()
+
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)
+    save_adapter(model, target)
+    assert (target / "adapter_model.safetensors").read_bytes() != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_save_adapter_refuses_foreign_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(LoraccError, match="not an adapter directory"):
+        save_adapter(peft_llama(), tmp_path)
+    with pytest.raises(LoraccError, match="needs a PEFT model"):
+        save_adapter(llama(), tmp_path / "adapter")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_last_complete_checkpoint(tmp_path):
+    assert last_complete_checkpoint(tmp_path / "none") is None
+    for step, complete in [(2, True), (10, True), (12, False)]:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
