@@ -1,0 +1,161 @@
+"""The on-disk kernel cache: rendered kernel sources and autotuning choices.
+
+Layout under ``cache_dir()`` (``$LORACC_CACHE_DIR``, default ``$XDG_CACHE_HOME/loracc`` or
+``~/.cache/loracc``)::
+
+    kernels/<name>-<key>.py      the rendered kernel, imported from there (Triton reads its source)
+    kernels/<name>-<key>.json    what it is: name, key, the source's sha256, the environment
+    autotune/<key>.json          the configuration chosen for one kernel at one shape, with timings
+
+``<key>`` covers the rendered source, the device (GPU name and capability, or the interpreter) and
+the torch and triton versions, so an upgrade or another GPU never reuses an entry made for
+something else. Triton keeps the compiled binaries in its own cache, keyed the same way.
+
+Writes go to a temporary file in the same folder and are renamed into place (atomic on POSIX):
+processes compiling the same kernel at once each write a whole file, and a reader sees the old or
+the new file, never a part. An entry that does not check out (missing metadata, a source whose
+hash differs, unreadable JSON) is rebuilt, never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("LORACC_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "loracc"
+
+
+def device_description(device: torch.device) -> str:
+    """The device part of a cache key: GPU name and compute capability, or the Triton interpreter."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    return f"triton-interpreter-{device.type}"
+
+
+def environment(device: torch.device) -> dict:
+    import triton
+
+    return {"device": device_description(device), "torch": torch.__version__, "triton": triton.__version__}
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that no reader ever sees a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None when it is missing, truncated or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached kernel: its name, key, source file and metadata."""
+
+    name: str
+    key: str
+    source_path: Path
+    meta: dict
+
+
+def entry_paths(name: str, key: str) -> tuple[Path, Path]:
+    folder = cache_dir() / "kernels"
+    return folder / f"{name}-{key}.py", folder / f"{name}-{key}.json"
+
+
+def store_kernel(name: str, source: str, device: torch.device) -> Entry:
+    """The cache entry for kernel ``name`` with ``source``, written (or rewritten) when it is not valid."""
+    env = environment(device)
+    key = _digest(source, json.dumps(env, sort_keys=True))[:20]
+    source_path, meta_path = entry_paths(name, key)
+    meta = read_json(meta_path)
+    if not (meta and _source_ok(source_path, meta) and meta.get("key") == key):
+        meta = {"name": name, "key": key, "sha256": _digest(source), **env}
+        atomic_write(source_path, source)
+        atomic_write(meta_path, json.dumps(meta, indent=1))
+    return Entry(name, key, source_path, meta)
+
+
+def _source_ok(path: Path, meta: dict) -> bool:
+    try:
+        return _digest(path.read_text()) == meta.get("sha256")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+_loaded: dict[str, object] = {}
+
+
+def load_kernel(name: str, source: str, device: torch.device):
+    """The ``@triton.jit`` function ``name`` defined by ``source``, run from its cache entry's file."""
+    entry = store_kernel(name, source, device)
+    module_name = f"loracc_kernels.{entry.name}_{entry.key}"
+    if module_name not in _loaded:
+        # Executed from the text whose hash was just checked; the file holds the same text, and is
+        # where Triton reads the kernel's source from.
+        module = types.ModuleType(module_name)
+        module.__file__ = str(entry.source_path)
+        sys.modules[module_name] = module
+        exec(compile(source, str(entry.source_path), "exec"), module.__dict__)
+        _loaded[module_name] = getattr(module, name)
+    return _loaded[module_name]
+
+
+def entries() -> list[Entry]:
+    """Every valid kernel entry in the cache, by name."""
+    found = []
+    for meta_path in sorted((cache_dir() / "kernels").glob("*.json")):
+        meta = read_json(meta_path)
+        source_path = meta_path.with_suffix(".py")
+        if meta and _source_ok(source_path, meta):
+            found.append(Entry(meta["name"], meta["key"], source_path, meta))
+    return found
+
+
+def autotune_path(description: dict) -> Path:
+    return cache_dir() / "autotune" / f"{_digest(json.dumps(description, sort_keys=True))[:24]}.json"
+
+
+def load_choice(description: dict) -> dict | None:
+    """The remembered autotuning record for ``description`` (kernel, shape, device, versions), if valid."""
+    record = read_json(autotune_path(description))
+    if record and record.get("description") == description and isinstance(record.get("choice"), str):
+        return record
+    return None
+
+
+def store_choice(description: dict, choice: str, timings: dict) -> None:
+    record = {"description": description, "choice": choice, "timings_ms": timings}
+    atomic_write(autotune_path(description), json.dumps(record, indent=1))

@@ -1,0 +1,166 @@
+"""The fused LoRA GEMM: one template (``templates/lora_gemm.py.jinja``), two uses.
+
+The forward and the input gradient of a LoRA linear are the same computation with other operands:
+
+    forward      y  = x  @ Wᵀ (+ bias) + s·(u  @ Bᵀ),  u  = x  @ Aᵀ   (or drop(x) @ Aᵀ, computed before)
+    grad_input   dX = dY @ W           + dU @ A,       dU = s·(dY @ B)  (written out: dA needs it)
+
+so ``LoraGemm`` describes one instance (which use, which sizes and dtypes, what the epilogue does),
+renders it, and launches it. Everything but the number of rows ``M`` is fixed in the rendered
+kernel; ``M`` stays a run-time argument so that sequence lengths do not each compile a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import cache
+from .render import render
+
+Tensor = torch.Tensor
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+KERNEL_DTYPES = tuple(DTYPE_NAMES)
+# tl.dot needs every dimension >= 16; the u tile ([BLOCK_M, rank] in fp32) lives in registers.
+MIN_DOT = 16
+MAX_RANK = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch parameters of one kernel: its tile, the tile-group size, and Triton's warps/stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}g{self.group_m}w{self.num_warps}s{self.num_stages}"
+
+
+# Candidates for the autotuner on a GPU: the usual good tiles for a Hopper/Ampere bf16 GEMM, from
+# wide (few programs, most reuse) to narrow (more programs, for small N).
+GPU_CONFIGS = (
+    Config(128, 256, 64, 8, 8, 3),
+    Config(128, 128, 64, 8, 8, 4),
+    Config(128, 128, 64, 8, 4, 4),
+    Config(64, 128, 64, 8, 4, 4),
+    Config(128, 64, 64, 8, 4, 4),
+)
+# Under the interpreter (CPU tests): small tiles keep it quick; sizes in tests are not multiples of them.
+INTERPRETER_CONFIGS = (Config(16, 32, 32, 2, 1, 1), Config(32, 16, 16, 4, 1, 1))
+
+
+def rank_padded(rank: int) -> int:
+    return max(MIN_DOT, 1 << (rank - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class LoraGemm:
+    """One instance of the LoRA GEMM template.
+
+    ``use``: ``"forward"`` or ``"grad_input"``. ``lora_in``: ``"fused"`` (the rank-r product is
+    computed in the main loop from the GEMM's own left operand) or ``"loaded"`` (computed before,
+    from a dropped-out input). ``lora_out``: ``"add"`` (the LoRA term goes into the output) or
+    ``"separate"`` (written to a second output: the gradient of the dropped-out input).
+    """
+
+    use: str
+    in_features: int
+    out_features: int
+    rank: int
+    dtype: torch.dtype
+    has_bias: bool = False
+    lora_in: str = "fused"
+    lora_out: str = "add"
+
+    def __post_init__(self):
+        assert self.use in ("forward", "grad_input"), self.use
+        assert self.lora_in in ("fused", "loaded") and self.lora_out in ("add", "separate")
+        assert self.use == "forward" or (self.lora_in == "fused" and not self.has_bias)
+        assert self.use == "grad_input" or self.lora_out == "add"
+
+    @property
+    def name(self) -> str:
+        dt = DTYPE_NAMES[self.dtype]
+        if self.use == "forward":
+            flags = ("_bias" if self.has_bias else "") + ("_dropout" if self.lora_in == "loaded" else "")
+            return f"lora_linear_fwd_{self.in_features}x{self.out_features}_r{self.rank}_{dt}{flags}"
+        flags = "_dropout" if self.lora_out == "separate" else ""
+        return f"lora_linear_grad_x_{self.out_features}x{self.in_features}_r{self.rank}_{dt}{flags}"
+
+    def variables(self) -> dict:
+        """The template's variables for this instance."""
+        i, o, r, dt = self.in_features, self.out_features, self.rank, DTYPE_NAMES[self.dtype]
+        common = dict(
+            name=self.name, R=r, R_PAD=rank_padded(r), has_bias=self.has_bias, lora_in=self.lora_in,
+            lora_out=self.lora_out, precision="ieee" if self.dtype == torch.float32 else "",
+        )
+        if self.use == "forward":
+            bias = " + bias" if self.has_bias else ""
+            computes = (
+                f"y = x @ Wᵀ{bias} + s·((x @ Aᵀ) @ Bᵀ), the rank-{r} product in the main loop"
+                if self.lora_in == "fused"
+                else f"y = x @ Wᵀ{bias} + s·(u @ Bᵀ), u = drop(x) @ Aᵀ computed before"
+            )
+            shapes = [f"x: [M, {i}] {dt}", f"W: [{o}, {i}] {dt} (frozen)"]
+            shapes += [f"bias: [{o}] {dt}"] if self.has_bias else []
+            shapes += [f"A: [{r}, {i}], B: [{o}, {r}] (LoRA, multiplied in {dt} with fp32 accumulation)", f"y: [M, {o}] {dt}"]
+            return dict(
+                common, computes=computes, shapes=shapes, N=o, K=i, store_u=False,
+                W_STRIDE_K=1, W_STRIDE_N=i, P_STRIDE_K=1, P_STRIDE_R=i, Q_STRIDE_R=1, Q_STRIDE_N=r,
+                a_name="layer input x", w_name="frozen weight W, as Wᵀ", p_name="LoRA A, as Aᵀ",
+                q_name="LoRA B, as Bᵀ", u_name="", lora_out_name="",
+            )
+        computes = (
+            "dX = dY @ W + dU @ A, dU = s·(dY @ B) in the main loop and written out"
+            if self.lora_out == "add"
+            else "dX = dY @ W and dX' = dU @ A (gradient of the dropped-out input), dU = s·(dY @ B) written out"
+        )
+        shapes = [f"dY: [M, {o}] {dt}", f"W: [{o}, {i}] {dt} (frozen)", f"A: [{r}, {i}], B: [{o}, {r}] (LoRA)",
+                  f"dU: [M, {r}] fp32", f"dX: [M, {i}] {dt}"] + ([f"dX': [M, {i}]"] if self.lora_out == "separate" else [])
+        return dict(
+            common, computes=computes, shapes=shapes, N=i, K=o, store_u=True,
+            W_STRIDE_K=i, W_STRIDE_N=1, P_STRIDE_K=r, P_STRIDE_R=1, Q_STRIDE_R=i, Q_STRIDE_N=1,
+            a_name="output gradient dY", w_name="frozen weight W", p_name="LoRA B", q_name="LoRA A",
+            u_name="rank-r gradient dU", lora_out_name="gradient of the dropped-out input",
+        )
+
+    def source(self) -> str:
+        return render("lora_gemm.py.jinja", **self.variables())
+
+    def kernel(self, device: torch.device):
+        return cache.load_kernel(self.name, self.source(), device)
+
+    def launch(self, config: Config, *, a: Tensor, weight: Tensor, p: Tensor, q: Tensor, scale: float,
+               out: Tensor, bias: Tensor | None = None, u: Tensor | None = None, lora_out: Tensor | None = None):
+        """Run the kernel: ``a`` is ``[M, K]`` with unit column stride; ``weight``, ``p``, ``q`` contiguous.
+
+        ``p`` is the LoRA weight of the main loop (A forward, B backward), ``q`` the one of the
+        epilogue; ``u`` is read (``lora_in="loaded"``) or written (``grad_input``); outputs are
+        contiguous and written in full.
+        """
+        m = a.shape[0]
+        args = dict(a_ptr=a, w_ptr=weight, q_ptr=q, out_ptr=out, M=m, stride_am=a.stride(0), scale=float(scale))
+        if self.lora_in == "fused":
+            args["p_ptr"] = p
+        if self.has_bias:
+            args["bias_ptr"] = bias
+        if self.lora_in == "loaded" or self.use == "grad_input":
+            args["u_ptr"] = u
+        if self.lora_out == "separate":
+            args["lora_out_ptr"] = lora_out
+        n = self.out_features if self.use == "forward" else self.in_features
+        grid = (triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n),)
+        self.kernel(a.device)[grid](
+            **args, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
