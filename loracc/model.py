@@ -160,7 +160,7 @@ def _install(model: nn.Module, state: CompiledState) -> None:
             )
             state.regions.append(region)
             for (index, layer), path in zip(group, paths):
-                _patch(state, layer, lambda m, p=path, r=region: _block_forward(r, m, p))
+                _patch(state, layer, _BlockForward(region, layer, path))
         _patch_use_cache(state, owner)
     head = _causal_lm(model)
     if head is not None:
@@ -169,26 +169,32 @@ def _install(model: nn.Module, state: CompiledState) -> None:
                         modules=["norm", "lm_head", "loss"], backend=state.backend,
                         memory_budget=state.memory_budget)
         state.regions.append(region)
-        _patch(state, lm, lambda m: _head_forward(region, m, base))
+        _patch(state, lm, _HeadForward(region, lm, base))
     if not state.regions:
         region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
                         memory_budget=state.memory_budget)
         state.regions.append(region)
-        _patch(state, model, lambda m: _block_forward(region, m, type(m).__name__))
+        _patch(state, model, _BlockForward(region, model, type(model).__name__))
 
 
-def _patch(state: CompiledState, module: nn.Module, make_forward) -> None:
-    module.forward = make_forward(module)
+def _patch(state: CompiledState, module: nn.Module, forward) -> None:
+    module.forward = forward
     state.patched.append(module)
 
 
-def _block_forward(region: Region, module: nn.Module, path: str):
-    eager = type(module).forward.__get__(module)
+class _BlockForward:
+    """A compiled module's ``forward``: run the region's graphs with this module's weights.
 
-    def forward(*args, **kwargs):
-        return region.run(module, path, eager, args, kwargs)
+    A class rather than a closure so that ``copy.deepcopy(model)`` gives a copy whose forward
+    runs the copy's own weights (the region, which holds no weights, is shared).
+    """
 
-    return forward
+    def __init__(self, region: Region, module: nn.Module, path: str):
+        self.region, self.module, self.path = region, module, path
+
+    def __call__(self, *args, **kwargs):
+        eager = type(self.module).forward.__get__(self.module)
+        return self.region.run(self.module, self.path, eager, args, kwargs)
 
 
 def _find_block_lists(model: nn.Module):
@@ -256,14 +262,17 @@ def _patch_use_cache(state: CompiledState, owner: nn.Module) -> None:
         return
     if "use_cache" not in signature.parameters or owner in state.patched:
         return
-    eager = type(owner).forward.__get__(owner)
+    _patch(state, owner, _NoCacheInTraining(owner))
 
-    def forward(*args, **kwargs):
-        if owner.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+
+class _NoCacheInTraining:
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if self.module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
             kwargs["use_cache"] = False
-        return eager(*args, **kwargs)
-
-    _patch(state, owner, lambda m: forward)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 def _causal_lm(model: nn.Module):
@@ -295,22 +304,27 @@ class _Head(nn.Module):
         return loss, logits
 
 
-def _head_forward(region: Region, lm: nn.Module, decoder: nn.Module):
-    eager = type(lm).forward.__get__(lm)
-    signature = inspect.signature(type(lm).forward)
-    head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size)
-    fused_keys = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
+class _HeadForward:
+    """A causal LM's ``forward`` in training with labels: the decoder (its blocks compiled), then the
+    head region; every other call (inference, extra outputs asked for) runs the eager forward."""
 
-    def forward(*args, **kwargs):
+    FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
+
+    def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module):
+        self.region, self.lm, self.decoder = region, lm, decoder
+
+    def __call__(self, *args, **kwargs):
+        lm, decoder = self.lm, self.decoder
+        eager = type(lm).forward.__get__(lm)
         try:
-            bound = signature.bind(lm, *args, **kwargs)
+            bound = inspect.signature(type(lm).forward).bind(lm, *args, **kwargs)
         except TypeError:
             return eager(*args, **kwargs)
         call = dict(bound.arguments)
         call.pop("self", None)
         call.update(call.pop("kwargs", {}))
         labels = call.get("labels")
-        extra = [k for k, v in call.items() if k not in fused_keys and not _is_default(k, v)]
+        extra = [k for k, v in call.items() if k not in self.FUSED_KEYS and not _is_default(k, v)]
         if not (lm.training and torch.is_grad_enabled()) or labels is None or extra:
             return eager(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -323,12 +337,10 @@ def _head_forward(region: Region, lm: nn.Module, decoder: nn.Module):
         items = call.get("num_items_in_batch")
         if items is not None and not isinstance(items, torch.Tensor):
             items = torch.tensor(items, device=labels.device)
-        head.train(lm.training)
-        loss, logits = region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
-                                  {"num_items_in_batch": items} if items is not None else {})
+        head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size).train(lm.training)
+        loss, logits = self.region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
+                                       {"num_items_in_batch": items} if items is not None else {})
         return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    return forward
 
 
 def _is_default(key: str, value) -> bool:

@@ -114,6 +114,10 @@ class Region:
             self.fallbacks.append(Fallback(path, reason))
             warnings.warn(f"loracc: {path} runs eagerly: {reason}", stacklevel=5)
 
+    def __deepcopy__(self, memo):
+        # A region holds graphs, never weights: a deep copy of the model shares it.
+        return self
+
     @property
     def latest(self) -> Program | None:
         programs = [p for p in self.programs.values() if p is not None]

@@ -1,0 +1,124 @@
+"""lora_match: every LoRA pattern becomes one loracc::lora_linear node computing the same function."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import loracc
+from loracc import presets
+from loracc.ops import LORA_LINEAR
+from loracc.passes import cleanup, lora_match
+from conftest import rel_err
+from passes_util import capture, random_like, run, snapshot
+
+
+def _matched(gm):
+    return [n for n in gm.graph.nodes if n.target is LORA_LINEAR]
+
+
+def _layer_graph(family="llama", dtype=torch.float32, **lora):
+    model, _ = presets.preset(family, layers=1, **lora)
+    model.to(dtype)
+    layer = model.base_model.model.model.layers[0]
+    hidden = torch.randn(2, 11, 64, dtype=dtype)
+    position = (torch.randn(2, 11, 16, dtype=dtype), torch.randn(2, 11, 16, dtype=dtype))
+    gm, inputs = capture(layer, hidden, position_embeddings=position)
+    return cleanup(gm).gm, inputs
+
+
+def _check_same_function(before, after, inputs, tol):
+    for seed in range(3):
+        fresh = random_like(inputs, seed)
+        for got, want in zip(run(after, fresh), run(before, fresh)):
+            assert rel_err(got, want) <= tol
+
+
+@pytest.mark.parametrize(
+    "family, lora, expected",
+    [
+        ("llama", {}, 7),
+        ("qwen2", {"targets": ["q_proj", "v_proj", "down_proj"], "use_rslora": True}, 3),
+        ("mistral", {"dropout": 0.0, "bias": "lora_only", "targets": ["k_proj", "up_proj"]}, 2),
+    ],
+)
+def test_peft_layers_become_lora_linear(family, lora, expected):
+    pytest.importorskip("peft")
+    gm, inputs = _layer_graph(family, **lora)
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == expected == len(_matched(result.gm))
+    assert "unmatched" not in result.report
+    _check_same_function(before, result.gm, inputs, 1e-5)
+
+
+def test_dropout_stays_in_the_graph_as_the_branch_input():
+    pytest.importorskip("peft")
+    gm, _ = _layer_graph("llama", dropout=0.2)
+    result = lora_match(gm)
+    nodes = _matched(result.gm)
+    assert len(nodes) == 7
+    assert all(n.args[6] is not None for n in nodes), "lora_x is the dropped-out input"
+
+
+def test_bf16_base_with_fp32_adapters():
+    pytest.importorskip("peft")
+    model, _ = presets.preset("llama", layers=1)
+    model.base_model.model.to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    layer = model.base_model.model.model.layers[0]
+    hidden = torch.randn(2, 11, 64, dtype=torch.bfloat16)
+    position = (torch.randn(2, 11, 16, dtype=torch.bfloat16), torch.randn(2, 11, 16, dtype=torch.bfloat16))
+    gm, inputs = capture(layer, hidden, position_embeddings=position)
+    gm = cleanup(gm).gm
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 7
+    _check_same_function(before, result.gm, inputs, 2e-2)
+
+
+class _NotLoRA(nn.Module):
+    """A LoRA-named pair with a nonlinearity between A and B: not the LoRA pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 8), requires_grad=False)
+        self.lora_A = nn.Parameter(torch.randn(3, 8))
+        self.lora_B = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):
+        return x @ self.weight.t() + torch.relu(x @ self.lora_A.t()) @ self.lora_B.t()
+
+
+def test_unmatched_lora_weights_are_reported_and_stay_correct():
+    module = _NotLoRA()
+    gm, inputs = capture(module, torch.randn(4, 8))
+    gm = cleanup(gm).gm
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 0
+    assert set(result.report["unmatched"]) == {"lora_A", "lora_B"}
+    _check_same_function(before, result.gm, inputs, 1e-6)
+
+    compiled = loracc.compile(copy.deepcopy(module).train())
+    x = torch.randn(4, 8)
+    compiled(x).square().sum().backward()
+    module(x).square().sum().backward()
+    assert rel_err(compiled.lora_A.grad, module.lora_A.grad) <= 1e-5
+    assert "not fused: lora_A" in str(loracc.explain(compiled))
+
+
+def test_loracc_lora_linear_module_matches():
+    layer = loracc.LoRALinear(12, 10, r=3, init_zero=False)
+    gm, inputs = capture(layer, torch.randn(3, 5, 12))
+    gm = cleanup(gm).gm
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 1
+    (node,) = _matched(result.gm)
+    assert node.args[5] == pytest.approx(layer.scaling)
+    _check_same_function(before, result.gm, inputs, 1e-5)

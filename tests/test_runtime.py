@@ -1,0 +1,153 @@
+"""The compiled model stays the user's model: inference, state_dict, save_pretrained, guards, fallbacks."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import loracc
+from loracc import presets
+from conftest import rel_err
+
+pytest.importorskip("peft")
+
+
+def _compiled(family="llama", **kw):
+    model, batch = presets.preset(family, **kw)
+    return model, loracc.compile(copy.deepcopy(model)), batch
+
+
+def test_eval_no_grad_and_generate_match_eager():
+    eager, compiled, batch = _compiled()
+    eager.eval(), compiled.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids=batch["input_ids"]).logits, eager(input_ids=batch["input_ids"]).logits)
+    prompt = batch["input_ids"][:1, :5]
+    out_e = eager.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+    out_c = compiled.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out_c, out_e)
+    assert all(r.calls == 0 for r in loracc.explain(compiled).regions)
+
+
+def test_training_logits_match_eager():
+    eager, compiled, batch = _compiled()
+    out_e, out_c = eager(**batch), compiled(**batch)
+    assert rel_err(out_c.logits.detach(), out_e.logits.detach()) <= 1e-5
+
+
+def test_state_dict_and_save_pretrained(tmp_path):
+    eager, compiled, batch = _compiled()
+    compiled(**batch).loss.backward()
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+    compiled.save_pretrained(tmp_path)
+    from peft import PeftModel
+
+    base = presets.hf_decoder("llama")
+    reloaded = PeftModel.from_pretrained(base, tmp_path)
+    for (name, p), (_, q) in zip(compiled.named_parameters(), reloaded.named_parameters()):
+        if "lora" in name:
+            assert torch.equal(p, q), name
+
+
+def test_new_sequence_length_recompiles_and_is_reported():
+    _, compiled, batch = _compiled()
+    compiled(**batch).loss.backward()
+    before = {r.name: r.captures for r in loracc.explain(compiled).regions}
+    longer = presets.token_batch(101, seq=21)
+    eager_copy = copy.deepcopy(compiled)
+    loracc.uncompile(eager_copy)
+    loss_c = compiled(**longer).loss
+    loss_e = eager_copy(**longer).loss
+    assert rel_err(loss_c.detach(), loss_e.detach()) <= 1e-5
+    report = loracc.explain(compiled)
+    for region in report.regions:
+        assert region.captures > before[region.name]
+        assert any("changed" in reason for reason in region.recompiles)
+    compiled(**batch).loss.backward()  # the first length is still cached
+    assert {r.name: r.captures for r in loracc.explain(compiled).regions} == {
+        r.name: r.captures for r in report.regions
+    }
+
+
+def test_recompile_storm_warns_with_a_remedy():
+    _, compiled, _ = _compiled(layers=1)
+    with pytest.warns(UserWarning, match="pad_to_multiple_of"):
+        for seq in range(3, 3 + loracc.runtime.RECOMPILE_WARNING_AT + 1):
+            compiled(**presets.token_batch(101, batch=1, seq=seq)).loss.backward()
+
+
+def test_uncompile_restores_eager_forward():
+    _, compiled, batch = _compiled()
+    loracc.uncompile(compiled)
+    assert not hasattr(compiled, "_loracc")
+    compiled(**batch).loss.backward()
+
+
+class _DataDependent(nn.Module):
+    """A layer whose Python control flow depends on a tensor's value: it cannot be traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = loracc.LoRALinear(8, 8, r=2, init_zero=False)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.proj(x)
+        return -self.proj(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_DataDependent(), _DataDependent()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_untraceable_region_falls_back_to_eager_with_a_warning():
+    torch.manual_seed(0)
+    eager = _Stack().train()
+    compiled = loracc.compile(copy.deepcopy(eager))
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match=r"layers\.0 runs eagerly: tracing failed"):
+        loss_c = compiled(x)
+    loss_c.backward()
+    loss_e = eager(x)
+    loss_e.backward()
+    assert torch.equal(loss_c, loss_e)
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+    report = loracc.explain(compiled)
+    assert report.fallbacks and "tracing failed" in report.fallbacks[0].reason
+    assert "tracing failed" in str(report)
+
+
+def test_explain_report_fields_and_text():
+    _, compiled, batch = _compiled("qwen2")
+    report = loracc.explain(compiled, **batch)
+    trainable = sum(p.numel() for p in compiled.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in compiled.parameters() if not p.requires_grad)
+    assert (report.trainable_params, report.frozen_params) == (trainable, frozen)
+    assert [r.kind for r in report.regions] == ["block", "head"]
+    text = str(report)
+    assert "14 matched" in text and "[block]" in text and "[head]" in text
+
+
+def test_deepcopy_of_a_compiled_model_trains_its_own_weights():
+    eager, compiled, batch = _compiled()
+    twin = copy.deepcopy(compiled)
+    with torch.no_grad():
+        for model in (eager, twin):
+            next(p for n, p in model.named_parameters() if "lora_B" in n).mul_(3.0)
+    loss_twin, loss_eager, loss_orig = twin(**batch).loss, eager(**batch).loss, compiled(**batch).loss
+    assert rel_err(loss_twin.detach(), loss_eager.detach()) <= 1e-5
+    assert not torch.allclose(loss_orig, loss_twin)
+    loss_twin.backward()
+    assert all(p.grad is None for p in compiled.parameters())
