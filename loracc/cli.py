@@ -1,0 +1,182 @@
+"""The ``loracc`` command: ``dump`` a region's graph after each stage, ``explain`` a model.
+
+The model is one of:
+
+- a preset name (``llama``, ``qwen2``, ``mistral``, ``plain``): an architecture family at small
+  dimensions with random weights and LoRA adapters;
+- a local Hugging Face directory: a causal LM (LoRA added with ``--r``/``--targets``) or a PEFT
+  adapter directory whose base model is local;
+- ``module:function``: a function returning ``(model, batch)``, ``batch`` a dict of keyword
+  arguments (or a tuple of positional ones) for one training call.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from . import presets
+from .errors import LoraccError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(spec: str, *, r: int = 8, targets=None, batch: int = 2, seq: int = 32, dtype: str = "float32",
+               device: str = "cpu"):
+    """``(model, batch)`` from a preset name, a local Hugging Face directory or ``module:function``."""
+    if spec in presets.PRESETS:
+        kwargs = {} if spec == "plain" else {"batch": batch, "seq": seq, "r": r, "targets": targets}
+        model, example = presets.preset(spec, **kwargs)
+    elif os.path.isdir(spec):
+        model, example = _load_hf_dir(spec, r=r, targets=targets, batch=batch, seq=seq)
+    elif ":" in spec:
+        module_name, _, func_name = spec.partition(":")
+        sys.path.insert(0, os.getcwd())
+        try:
+            func = getattr(importlib.import_module(module_name), func_name)
+        except (ImportError, AttributeError) as exc:
+            raise LoraccError(f"cannot load {spec!r}: {exc}; give module:function importable from here") from exc
+        result = func()
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise LoraccError(f"{spec} must return (model, batch), got {type(result).__name__}")
+        model, example = result
+    else:
+        raise LoraccError(
+            f"model {spec!r} is neither a preset ({', '.join(presets.PRESETS)}), a local directory nor module:function"
+        )
+    model = model.to(device=device, dtype=DTYPES[dtype]) if dtype != "float32" or device != "cpu" else model
+    example = _to(example, device)
+    return model.train(), example
+
+
+def _load_hf_dir(path: str, *, r: int, targets, batch: int, seq: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    adapter_config = Path(path) / "adapter_config.json"
+    if adapter_config.exists():
+        from peft import PeftModel
+
+        base_path = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base_path or not os.path.isdir(base_path):
+            raise LoraccError(f"{path} is a PEFT adapter whose base model {base_path!r} is not a local directory")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), path, is_trainable=True)
+    else:
+        model = presets.with_lora(AutoModelForCausalLM.from_pretrained(path), r=r, alpha=2 * r, targets=targets)
+    vocab = AutoConfig.from_pretrained(adapter_config.parent if not adapter_config.exists() else base_path).vocab_size
+    return model, presets.token_batch(vocab, batch, seq)
+
+
+def _to(example, device):
+    if isinstance(example, dict):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return type(example)(v.to(device) if isinstance(v, torch.Tensor) else v for v in example)
+    return example
+
+
+def _call(model, example):
+    return model(**example) if isinstance(example, dict) else model(*example)
+
+
+def _compiled(args):
+    import loracc
+
+    model, example = load_model(args.model, r=args.r, targets=args.targets, batch=args.batch, seq=args.seq,
+                                dtype=args.dtype, device=args.device)
+    model = loracc.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget))
+    out = _call(model, example)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return model
+
+
+def _budget(text):
+    if text is None:
+        return None
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        return text
+
+
+def cmd_dump(args) -> None:
+    from .dump import dump_program
+
+    model = _compiled(args)
+    regions = model._loracc.regions
+    chosen = [r for r in regions if args.region is None or args.region in r.name or args.region == r.kind]
+    if not chosen:
+        raise LoraccError(f"no region matches {args.region!r}; regions: {[r.name for r in regions]}")
+    for index, region in enumerate(chosen):
+        program = region.latest
+        if program is None:
+            print(f"# {region.name}: not compiled ({'; '.join(f.reason for f in region.fallbacks) or 'never called'})")
+            continue
+        out_dir = Path(args.out) / f"region{index}_{region.kind}" if args.out else None
+        text = dump_program(program, region.name, out_dir)
+        stages = args.stage.split(",") if args.stage else None
+        if stages:
+            text = "\n\n".join(block for block in text.split("\n\n")
+                               if any(f"after {s}" in block.splitlines()[0] or f"# {s} report" in block for s in stages))
+        print(text)
+        if out_dir is not None:
+            print(f"\n# DOT and JSON of every stage written to {out_dir}/")
+
+
+def cmd_explain(args) -> None:
+    import loracc
+
+    print(loracc.explain(_compiled(args)))
+
+
+def _add_model_args(parser) -> None:
+    parser.add_argument("model", nargs="?", default="llama",
+                        help="preset (llama, qwen2, mistral, plain), a local Hugging Face directory, or module:function")
+    parser.add_argument("--r", type=int, default=8, help="LoRA rank when loracc adds the adapters")
+    parser.add_argument("--targets", nargs="+", default=None, help="module names LoRA is added to (default: all 7 projections)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--memory-budget", default=None, help="None, a fraction like 0.5, bytes, or '8GB'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loracc", description="A compiler for LoRA fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    dump = sub.add_parser("dump", help="print a region's graph after each stage; write DOT and JSON")
+    _add_model_args(dump)
+    dump.add_argument("--region", default=None, help="kind (block, head, model) or part of a region's name")
+    dump.add_argument("--stage", default=None, help="comma-separated stages to print (default: all)")
+    dump.add_argument("--out", default=None, help="directory for DOT and JSON files")
+    dump.set_defaults(func=cmd_dump)
+    explain = sub.add_parser("explain", help="regions, matched LoRA layers, fallbacks, parameter counts")
+    _add_model_args(explain)
+    explain.set_defaults(func=cmd_explain)
+    try:
+        from .codegen import kernels_cli
+    except ImportError:
+        pass
+    else:
+        kernels_cli.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except LoraccError as exc:
+        print(f"loracc: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
