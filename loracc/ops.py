@@ -86,10 +86,10 @@ def lora_linear_backward(
     if need_grad_lora_in and not lora_in_is_x:
         grad_lora_in = (grad_u @ lora_a).to(lora_in.dtype).reshape(lora_in.shape)
     grad_bias = gy.sum(0) if need_grad_bias else None
-    return _or_empty(grad_x, grad_y), _or_empty(grad_lora_in, grad_y), grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype), _or_empty(grad_bias, grad_y)
+    return or_empty(grad_x, grad_y), or_empty(grad_lora_in, grad_y), grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype), or_empty(grad_bias, grad_y)
 
 
-def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+def or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     """Custom ops return tensors, never None, and no two outputs may alias: a fresh empty one."""
     return like.new_empty(0) if t is None else t
 
@@ -99,8 +99,8 @@ def _(grad_y, lora_in, weight, lora_a, lora_b, scale, lora_in_is_x, need_grad_x,
     grad_x = grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1])) if need_grad_x else None
     grad_lora_in = lora_in.new_empty(lora_in.shape) if need_grad_lora_in and not lora_in_is_x else None
     grad_bias = grad_y.new_empty(weight.shape[0]) if need_grad_bias else None
-    return (_or_empty(grad_x, grad_y), _or_empty(grad_lora_in, grad_y), lora_a.new_empty(lora_a.shape),
-            lora_b.new_empty(lora_b.shape), _or_empty(grad_bias, grad_y))
+    return (or_empty(grad_x, grad_y), or_empty(grad_lora_in, grad_y), lora_a.new_empty(lora_a.shape),
+            lora_b.new_empty(lora_b.shape), or_empty(grad_bias, grad_y))
 
 
 def _setup_context(ctx, inputs, output):

@@ -6,8 +6,10 @@ graph's inputs, which must return the graph's outputs as a list.
 
 - ``eager``: runs the graph's ATen ops (and the reference implementations of loracc's ops) as they
   are; works on every device, and is the CPU path.
+- ``triton``: the same graph with its LoRA ops run by fused Triton kernels rendered from
+  ``templates/`` and cached on disk (``triton_backend.py``, ``lora_linear.py``, ``cache.py``).
 
-``backend="auto"`` picks the best backend available for the model's device.
+``backend="auto"`` picks ``triton`` on a CUDA device where Triton is installed, ``eager`` otherwise.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import LoraccError
+from .triton_backend import TritonBackend, available
 
 
 class EagerBackend:
@@ -22,16 +25,19 @@ class EagerBackend:
 
     name = "eager"
 
+    def __init__(self, device: torch.device):
+        pass
+
     def compile(self, gm: fx.GraphModule, stage: str):
         return gm
 
 
-BACKENDS = {"eager": EagerBackend}
+BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}
 
 
 def get_backend(name: str, device: torch.device):
     if name == "auto":
-        name = "eager"
+        name = "triton" if device.type == "cuda" and available(device) is None else "eager"
     if name not in BACKENDS:
         raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
-    return BACKENDS[name]()
+    return BACKENDS[name](device)

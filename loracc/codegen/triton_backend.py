@@ -1,0 +1,70 @@
+"""The ``triton`` backend: the optimized graph with its LoRA ops run by fused Triton kernels.
+
+Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case the kernels cover
+(see ``lora_linear.unsupported``) calls ``lora_linear.lora_linear`` / ``lora_linear_backward``
+instead; every other node stays an ATen op. A node the kernels do not cover keeps the reference
+op, and the reason is kept in ``report`` (so nothing is silently approximated).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import LoraccError
+from ..graph import info
+from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
+from . import lora_linear
+
+
+def available(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on ``device``; None when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install triton)"
+    if device.type == "cuda" or (device.type == "cpu" and lora_linear.interpreting()):
+        return None
+    return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on the CPU), not {device.type}"
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, device: torch.device):
+        reason = available(device)
+        if reason is not None:
+            raise LoraccError(f"backend 'triton': {reason}; use backend='eager' on this device")
+        self.report: list[dict] = []
+
+    def compile(self, gm: fx.GraphModule, stage: str):
+        gm = _copy(gm)
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
+                continue
+            vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+            if node.target is LORA_LINEAR:
+                x, weight, bias, lora_a, lora_b, _, lora_x = vals
+                reason = lora_linear.unsupported(x, weight, bias, lora_a, lora_b, lora_x)
+                replacement = lora_linear.lora_linear
+            else:
+                grad_y, lora_in, weight, lora_a, lora_b = vals[:5]
+                reason = lora_linear.unsupported(grad_y, weight, None, lora_a, lora_b, lora_in)
+                replacement = lora_linear.lora_linear_backward
+            entry = {"stage": stage, "node": node.name, "layer": info(node).get("lora_layer") or info(node).get("module")}
+            if reason is None:
+                node.target = replacement
+                entry["runs"] = "fused kernels (autotuned: template or cuBLAS)"
+            else:
+                entry["runs"] = f"reference op: {reason}"
+            self.report.append(entry)
+        gm.recompile()
+        return gm
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to rewrite, so the stage the pipeline keeps for ``loracc dump`` stays as it was."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
