@@ -11,7 +11,6 @@ backward + AdamW; median of --steps steps after 3 warm-up steps, timed with CUDA
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import statistics
@@ -28,7 +27,8 @@ def build(layers: int, seed: int = 0):
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
                          attn_implementation="sdpa", max_position_embeddings=4096)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, init_lora_weights=False,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     torch.manual_seed(seed + 1)
@@ -79,8 +79,6 @@ def time_steps(model, batch, steps):
 
 
 def main():
-    import loracc
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
@@ -110,43 +108,58 @@ def main():
     peft_grads = None
     methods = [("peft_eager", None)] + [(f"loracc_{b}", b) for b in args.backends.split(",")]
     for name, backend in methods:
-        model = build(args.layers).to(device=device, dtype=torch.bfloat16)
-        for n, p in model.named_parameters():
-            if p.requires_grad:
-                p.data = p.data.float()  # adapters in fp32 over a bf16 base, as PEFT's autocast keeps them
-        if backend is not None:
-            start = time.perf_counter()
-            model = loracc.compile(model, backend=backend)
-        loss = one_step(model, batch)
-        got = grads(model)
-        errors = {n: rel(got[n], ref_grads[n]) for n in ref_grads}
-        worst = max(errors, key=errors.get)
-        record = {"loss": loss, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
-                  "max_grad_rel_err": errors[worst], "worst_grad": worst,
-                  "median_grad_rel_err": statistics.median(errors.values())}
-        if backend is None:
-            peft_grads = got
-        else:
-            record["max_grad_rel_err_vs_peft_bf16"] = max(rel(got[n], peft_grads[n]) for n in got)
-        record.update(time_steps(model, batch, args.steps))
-        if backend is not None:
-            report = loracc.explain(model)
-            record["backend"] = report.backend
-            record["matched_lora_layers"] = len(report.lora_layers_matched)
-            record["fallbacks"] = [f"{f.module}: {f.reason}" for f in report.fallbacks]
-        results["methods"][name] = record
-        print(name, json.dumps(record, default=str), flush=True)
-        del model
+        try:
+            results["methods"][name] = run_method(name, backend, args, batch, ref_loss, ref_grads, peft_grads)
+        except Exception as exc:  # a failing method is a row that says so
+            results["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if backend is None and "grads" in results["methods"][name]:
+            peft_grads = results["methods"][name].pop("grads")
+        print(name, json.dumps(results["methods"][name], default=str), flush=True)
         torch.cuda.empty_cache()
 
-    base = results["methods"]["peft_eager"]["step_ms"]
+    ok = {n: r for n, r in results["methods"].items() if "error" not in r}
+    base = ok.get("peft_eager", {}).get("step_ms")
     print(f"\n{'method':<16} {'loss relerr':>11} {'max grad relerr':>15} {'step ms':>8} {'vs PEFT':>8} {'peak GB':>8}")
     for name, r in results["methods"].items():
+        if "error" in r:
+            print(f"{name:<16} failed: {r['error'][:200]}")
+            continue
+        speed = f"{base / r['step_ms']:>7.2f}x" if base else "      -"
         print(f"{name:<16} {r['loss_rel_err']:>11.2e} {r['max_grad_rel_err']:>15.2e} {r['step_ms']:>8.1f} "
-              f"{base / r['step_ms']:>7.2f}x {r['peak_memory_bytes'] / 1e9:>8.2f}")
+              f"{speed} {r['peak_memory_bytes'] / 1e9:>8.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
+
+
+def run_method(name, backend, args, batch, ref_loss, ref_grads, peft_grads):
+    import loracc
+
+    model = build(args.layers).to(dtype=torch.bfloat16)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # adapters in fp32 over a bf16 base, as PEFT's autocast keeps them
+    if backend is not None:
+        model = loracc.compile(model, backend=backend)
+    loss = one_step(model, batch)
+    got = grads(model)
+    errors = {n: rel(got[n], ref_grads[n]) for n in ref_grads}
+    worst = max(errors, key=errors.get)
+    record = {"loss": loss, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
+              "max_grad_rel_err": errors[worst], "worst_grad": worst,
+              "median_grad_rel_err": statistics.median(errors.values())}
+    if backend is None:
+        record["grads"] = got
+    elif peft_grads is not None:
+        record["max_grad_rel_err_vs_peft_bf16"] = max(rel(got[n], peft_grads[n]) for n in got)
+    record.update(time_steps(model, batch, args.steps))
+    if backend is not None:
+        report = loracc.explain(model)
+        record["backend"] = report.backend
+        record["matched_lora_layers"] = len(report.lora_layers_matched)
+        record["fallbacks"] = [f"{f.module}: {f.reason}" for f in report.fallbacks]
+    del model
+    return record
 
 
 if __name__ == "__main__":
