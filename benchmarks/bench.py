@@ -185,8 +185,14 @@ def run_worker(args) -> dict:
                 loracc.compile(peft_model, memory_budget=budget)
             except loracc.LoraccError as exc:
                 return {**record, "status": "not available", "error": str(exc)}
-            record["notes"] = f"memory_budget={budget!r}, backend {loracc.explain(peft_model).backend}"
         record.update(train(model, peft_model, args, device))
+        if args.method.startswith("loracc"):
+            explained = loracc.explain(peft_model)
+            fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
+            record["notes"] = (f"memory_budget={budget!r}, backend {explained.backend}, "
+                               f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
+                               f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "
+                               f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}")
     except torch.cuda.OutOfMemoryError as exc:
         record.update(status="oom", error=str(exc).splitlines()[0])
     except Exception as exc:  # noqa: BLE001 (any failure is a row of the table, with its reason)

@@ -231,6 +231,7 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
     for (workload, batch, seq), rows in _group(records, "main").items():
         lines += [f"### {workload}, batch {batch} × seq {seq} ({batch * seq:,} tokens/step)", ""]
         lines += workload_table(rows)
+        lines += [""] + [f"- {r['method']}: {_cell(r['notes'])}" for r in rows if r.get("notes")]
         summary = loracc_summary(rows)
         lines += ["", summary, ""] if summary else [""]
     lines += sweep_section(records)
