@@ -398,6 +398,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per worker process")
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run; later rows are skipped")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-<date>.json)")
+    parser.add_argument("--append", action="store_true", help="add the rows to --out's run instead of replacing it")
     parser.add_argument("--report-dir", default=None, help="also write the Markdown report and plots there")
     parser.add_argument("--worker", choices=["step", "matmul"], help=argparse.SUPPRESS)
     parser.add_argument("--record-file", help=argparse.SUPPRESS)
@@ -422,8 +423,14 @@ def main(argv=None) -> int:
         print(f"cannot measure the matrix rate, so no row can run: {why}", file=sys.stderr)
         return 1
     args.cuda = matmul.pop("cuda")
-    run = {**environment(args), **matmul}
-    results = dict(run=run, records=[])
+    if args.append and out.exists():
+        # More rows of the same run: its matrix rate, settings and versions stay; the command is added.
+        results = json.loads(out.read_text())
+        run = results["run"]
+        run["command"] += " ; " + environment(args)["command"]
+    else:
+        run = {**environment(args), **matmul}
+        results = dict(run=run, records=[])
     for method, workload, batch, seq, suite in plan(args):
         record = run_row(method, workload, batch, seq, args, suite, deadline)
         record["flops_per_token"] = flops_per_token(workload, seq)
