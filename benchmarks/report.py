@@ -196,6 +196,8 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
         for limit in MEMORY_LIMITS_GB:
             ax.axhline(limit, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
+        seqs = sorted({r["seq"] for r in sweep})
+        ax.set_xticks(seqs, [str(s) for s in seqs])
         ax.set_xlabel("sequence length (batch 1)")
         ax.set_ylabel("peak memory (GB)")
         ax.set_title(f"{sweep[0]['workload']}: peak memory against sequence length")
