@@ -22,7 +22,14 @@ def available(device: torch.device) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed (pip install triton)"
-    if device.type == "cuda" or (device.type == "cpu" and lora_linear.interpreting()):
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and lora_linear.interpreting():
+        import triton.language as tl
+
+        # Triton decides at import time whether its own library functions are interpreted.
+        if type(tl.sum).__name__ != "InterpretedFunction":
+            return "TRITON_INTERPRET=1 was set after triton was imported; set it in the environment before"
         return None
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on the CPU), not {device.type}"
 

@@ -1,0 +1,158 @@
+"""Template rendering, the on-disk kernel cache, autotuning records and ``loracc kernels``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from loracc.codegen import autotune, cache, kernels_cli
+from loracc.codegen.lora_gemm import LoraGemm
+from loracc.codegen.render import render, template_dir
+from loracc.errors import LoraccError
+
+pytest.importorskip("triton")
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "_chosen", {})
+    return tmp_path / "cache"
+
+
+GEMM = LoraGemm("forward", 48, 40, 4, torch.bfloat16, has_bias=True)
+
+
+def test_templates_found_and_strict():
+    assert (Path(template_dir()) / "lora_gemm.py.jinja").is_file()
+    with pytest.raises(TypeError, match="R_PAD|undefined"):
+        render("lora_gemm.py.jinja", **{k: v for k, v in GEMM.variables().items() if k != "R_PAD"})
+
+
+def test_rendered_kernel_is_named_and_described():
+    source = GEMM.source()
+    compile(source, GEMM.name, "exec")
+    assert f"def {GEMM.name}(" in source
+    assert source.startswith(f"# loracc kernel {GEMM.name}\n")
+    assert "y = x @ Wᵀ + bias + s·((x @ Aᵀ) @ Bᵀ)" in source and "W: [40, 48] bf16" in source
+    assert "{{" not in source and "{%" not in source
+
+
+def test_entry_written_once_and_reused(cache_dir):
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    assert entry.source_path.read_text() == GEMM.source()
+    assert entry.source_path.parent == cache_dir / "kernels"
+    stamp = entry.source_path.stat().st_mtime_ns
+    again = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    assert again.source_path == entry.source_path and again.source_path.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble", "drop_meta", "bad_meta"])
+def test_corrupt_entry_is_rebuilt(damage):
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    meta_path = entry.source_path.with_suffix(".json")
+    if damage == "truncate":
+        entry.source_path.write_text(GEMM.source()[:100])
+    elif damage == "garble":
+        entry.source_path.write_text(GEMM.source().replace("tl.dot", "tl.dor", 1))
+    elif damage == "drop_meta":
+        meta_path.unlink()
+    else:
+        meta_path.write_text('{"name": ')
+    assert not any(e.key == entry.key for e in cache.entries())
+    rebuilt = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    assert rebuilt.source_path.read_text() == GEMM.source()
+    assert json.loads(meta_path.read_text())["sha256"] == rebuilt.meta["sha256"]
+
+
+def test_key_covers_source_and_environment(monkeypatch):
+    base = cache.store_kernel(GEMM.name, GEMM.source(), CPU).key
+    assert cache.store_kernel(GEMM.name, GEMM.source() + "\n", CPU).key != base
+    real = cache.environment
+    monkeypatch.setattr(cache, "environment", lambda d: {**real(d), "triton": "0.0.0"})
+    assert cache.store_kernel(GEMM.name, GEMM.source(), CPU).key != base
+
+
+def _python(code: str, cache_dir: Path) -> str:
+    env = {**os.environ, "LORACC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_second_process_reuses_entry_and_choice(cache_dir):
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    stamp = entry.source_path.stat().st_mtime_ns
+    description = {"op": "lora_linear", "kernel": GEMM.name, "rows": 64, **cache.environment(CPU)}
+    cache.store_choice(description, "cublas", {"cublas": 1.0, "triton 16x32x32": 2.0})
+    out = _python(f"""
+        import torch
+        from loracc.codegen import cache
+        from loracc.codegen.lora_gemm import LoraGemm
+        gemm = LoraGemm("forward", 48, 40, 4, torch.bfloat16, has_bias=True)
+        entry = cache.store_kernel(gemm.name, gemm.source(), torch.device("cpu"))
+        description = {{"op": "lora_linear", "kernel": gemm.name, "rows": 64, **cache.environment(torch.device("cpu"))}}
+        print(entry.source_path, entry.source_path.stat().st_mtime_ns, cache.load_choice(description)["choice"])
+    """, cache_dir)
+    assert out.split() == [str(entry.source_path), str(stamp), "cublas"]
+
+
+def test_concurrent_writers_never_leave_a_partial_file(tmp_path):
+    """Writers racing on one entry (as processes compiling the same kernel do): readers see whole files."""
+    target = tmp_path / "shared.txt"
+    texts = [str(i) * 300_000 for i in range(3)]
+    writers = [threading.Thread(target=lambda t=t: [cache.atomic_write(target, t) for _ in range(15)]) for t in texts]
+    for w in writers:
+        w.start()
+    reads = 0
+    while any(w.is_alive() for w in writers):
+        if target.exists():
+            text = target.read_text()
+            assert text in texts, f"partial file of {len(text)} characters"
+            reads += 1
+    assert reads > 0 and target.read_text() in texts and not list(tmp_path.glob(".shared.txt.*"))
+
+
+def test_autotune_times_once_then_remembers(monkeypatch):
+    fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
+    monkeypatch.setattr(cache, "environment", lambda device: fake_env)
+    monkeypatch.setattr(autotune, "measure", lambda c: {"triton a": 2.0, "triton b": 1.0, "cublas": "failed: no"})
+    candidates = {"triton a": None, "triton b": None, "cublas": None}
+    description = {"op": "lora_linear", "kernel": "k", "rows": 64}
+    assert autotune.choose(description, candidates, torch.device("cuda")) == "triton b"
+    record = cache.load_choice({**description, **fake_env})
+    assert record["timings_ms"]["cublas"] == "failed: no"
+
+    def must_not_measure(c):
+        raise AssertionError("a remembered choice was timed again")
+
+    monkeypatch.setattr(autotune, "measure", must_not_measure)
+    monkeypatch.setattr(autotune, "_chosen", {})  # as in a new process
+    assert autotune.choose(description, candidates, torch.device("cuda")) == "triton b"
+    cache.autotune_path({**description, **fake_env}).write_text("{trunc")
+    monkeypatch.setattr(autotune, "_chosen", {})
+    monkeypatch.setattr(autotune, "measure", lambda c: {"triton a": 1.0, "triton b": 3.0, "cublas": 2.0})
+    assert autotune.choose(description, candidates, torch.device("cuda")) == "triton a"
+
+
+def test_interpreter_runs_first_candidate_untimed():
+    assert autotune.choose({"op": "x", "rows": 1}, {"triton c": None, "cublas": None}, CPU) == "triton c"
+
+
+def test_kernels_cli_lists_and_shows(cache_dir):
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    listing = kernels_cli.listing()
+    assert GEMM.name in listing and str(entry.source_path) in listing
+    assert kernels_cli.listing(show=GEMM.name).endswith(GEMM.source())
+    assert GEMM.source() in kernels_cli.listing(show=f"{GEMM.name}-{entry.key}")
+    with pytest.raises(LoraccError, match="no kernel named"):
+        kernels_cli.listing(show="nope")

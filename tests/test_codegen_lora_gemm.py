@@ -1,0 +1,146 @@
+"""The fused LoRA GEMM template and the fused LoRA linear ops, against the reference ops.
+
+Kernels run on the GPU when there is one (fp32 and bf16), else in Triton's interpreter on the CPU
+(fp32): this module sets ``TRITON_INTERPRET=1`` before importing triton when no GPU is present, and
+skips when triton was already imported without it. Shapes are not multiples of any block size;
+outputs are filled with NaN before each run, so an element a kernel fails to write shows up.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from conftest import rel_err  # noqa: E402
+from loracc.codegen import autotune, lora_linear  # noqa: E402
+from loracc.codegen.lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, LoraGemm  # noqa: E402
+from loracc.codegen.triton_backend import available  # noqa: E402
+from loracc.ops import lora_linear as reference_forward  # noqa: E402
+from loracc.ops import lora_linear_backward as reference_backward  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+CONFIGS = GPU_CONFIGS if DEVICE.type == "cuda" else INTERPRETER_CONFIGS
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+TRITON = f"triton {CONFIGS[0]}"
+T, IN, OUT = 37, 48, 40  # rows, in_features, out_features: no multiple of any tile
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
+
+
+def nan(*shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("lora_in", ["fused", "loaded"])
+@pytest.mark.parametrize("rank", [4, 16])
+def test_forward_kernel(dtype, config, has_bias, lora_in, rank):
+    x, weight = randn(T, IN, dtype=dtype), randn(OUT, IN, dtype=dtype)
+    bias = randn(OUT, dtype=dtype) if has_bias else None
+    lora_a, lora_b, scale = randn(rank, IN), randn(OUT, rank), 0.7
+    u = (x.float() @ lora_a.t()).to(dtype) if lora_in == "loaded" else None
+    y = nan(T, OUT, dtype=dtype)
+    gemm = LoraGemm("forward", IN, OUT, rank, dtype, has_bias=has_bias, lora_in=lora_in)
+    gemm.launch(config, a=x, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=u)
+    expected = reference_forward(x, weight, bias, lora_a.to(dtype), lora_b.to(dtype), scale, None)
+    assert rel_err(y, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("lora_out", ["add", "separate"])
+@pytest.mark.parametrize("rank", [4, 16])
+def test_grad_input_kernel(dtype, config, lora_out, rank):
+    grad_y, weight = randn(T, OUT, dtype=dtype), randn(OUT, IN, dtype=dtype)
+    lora_a, lora_b, scale = randn(rank, IN), randn(OUT, rank), 0.7
+    grad_x, grad_u = nan(T, IN, dtype=dtype), nan(T, rank)
+    grad_lin = nan(T, IN, dtype=dtype) if lora_out == "separate" else None
+    gemm = LoraGemm("grad_input", IN, OUT, rank, dtype, lora_out=lora_out)
+    gemm.launch(config, a=grad_y, weight=weight, p=lora_b, q=lora_a, scale=scale, out=grad_x, u=grad_u, lora_out=grad_lin)
+    gy, a, b = grad_y.float(), lora_a.to(dtype).float(), lora_b.to(dtype).float()
+    expected_u = scale * gy @ b
+    assert rel_err(grad_u, expected_u) < TOL[dtype]
+    if lora_out == "add":
+        assert rel_err(grad_x, gy @ weight.float() + expected_u @ a) < TOL[dtype]
+    else:
+        assert rel_err(grad_x, gy @ weight.float()) < TOL[dtype]
+        assert rel_err(grad_lin, expected_u @ a) < TOL[dtype]
+
+
+@pytest.fixture
+def force_choice(monkeypatch):
+    """Make the autotuner pick the named candidate, so each implementation is checked on its own."""
+
+    def force(name):
+        def choose(description, candidates, device):
+            assert name in candidates, (name, list(candidates))
+            return name
+
+        monkeypatch.setattr(autotune, "choose", choose)
+
+    return force
+
+
+def _layer(dtype, adapter_dtype, rank, has_bias, lead=(T,)):
+    x = randn(*lead, IN, dtype=dtype)
+    return dict(
+        x=x, weight=randn(OUT, IN, dtype=dtype), bias=randn(OUT, dtype=dtype) if has_bias else None,
+        lora_a=randn(rank, IN, dtype=adapter_dtype), lora_b=randn(OUT, rank, dtype=adapter_dtype), scale=0.5,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("candidate", ["triton", "cublas"])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bias):
+    rank = 4
+    layer = _layer(dtype, torch.float32, rank, has_bias, lead=(3, 13))
+    lora_x = torch.nn.functional.dropout(layer["x"], 0.3) if dropout else None
+    force_choice(TRITON if candidate == "triton" else "cublas")
+    y = lora_linear.lora_linear(**layer, lora_x=lora_x)
+    expected = reference_forward(**layer, lora_x=lora_x)
+    assert y.shape == expected.shape and y.dtype == expected.dtype
+    assert rel_err(y, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("candidate", ["triton", "cublas"])
+@pytest.mark.parametrize(
+    "lora_in_is_x,need_grad_x,need_grad_lora_in",
+    [(True, True, False), (False, True, True), (True, False, False), (False, True, False), (False, False, True)],
+)
+def test_lora_linear_backward_op(force_choice, dtype, candidate, lora_in_is_x, need_grad_x, need_grad_lora_in):
+    rank = 4
+    layer = _layer(dtype, torch.float32, rank, False, lead=(3, 13))
+    lora_in = layer["x"] if lora_in_is_x else torch.nn.functional.dropout(layer["x"], 0.3)
+    grad_y = randn(3, 13, OUT, dtype=dtype)
+    args = (grad_y, lora_in, layer["weight"], layer["lora_a"], layer["lora_b"], layer["scale"],
+            lora_in_is_x, need_grad_x, need_grad_lora_in, True)
+    force_choice(TRITON if candidate == "triton" else "cublas")
+    got = lora_linear.lora_linear_backward(*args)
+    expected = reference_backward(*args)
+    for name, g, e in zip(("grad_x", "grad_lora_in", "grad_a", "grad_b", "grad_bias"), got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        if e.numel():
+            assert rel_err(g, e) < TOL[dtype], name
+
+
+def test_unsupported_cases_say_why():
+    x, w = randn(T, IN), randn(OUT, IN)
+    a, b = randn(4, IN), randn(OUT, 4)
+    assert lora_linear.unsupported(x, w, None, a, b) is None
+    assert "float64" in lora_linear.unsupported(x.double(), w.double(), None, a.double(), b.double())
+    assert "weight" in lora_linear.unsupported(x, w.half(), None, a, b)
+    assert "LoRA weights" in lora_linear.unsupported(x.half(), w.half(), None, a.bfloat16(), b.bfloat16())

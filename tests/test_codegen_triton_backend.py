@@ -1,0 +1,107 @@
+"""The ``triton`` backend end to end: a compiled PEFT Llama gives the eager losses and gradients.
+
+On a machine without a GPU the kernels run in Triton's interpreter (fp32): this module sets
+``TRITON_INTERPRET=1`` before importing triton, and skips when triton was imported without it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import loracc  # noqa: E402
+from conftest import rel_err  # noqa: E402
+from loracc._compat import trace  # noqa: E402
+from loracc.codegen import get_backend, lora_linear  # noqa: E402
+from loracc.codegen.triton_backend import TritonBackend, available  # noqa: E402
+from loracc.ops import LORA_LINEAR  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _llama(dropout: float, targets):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                      target_modules=targets)
+    return get_peft_model(LlamaForCausalLM(config), lora).to(DEVICE)
+
+
+def _step(model, ids):
+    torch.manual_seed(7)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("dropout,targets", [(0.0, ALL_TARGETS), (0.1, ["v_proj", "down_proj"])])
+def test_compiled_llama_matches(dropout, targets):
+    """No dropout: against eager PEFT. Dropout: against the eager backend (same graph, same masks)."""
+    reference = _llama(dropout, targets)
+    model = loracc.compile(copy.deepcopy(reference), backend="triton")
+    if dropout:
+        reference = loracc.compile(reference, backend="eager")
+    ids = torch.randint(0, 97, (2, 9), device=DEVICE)
+    loss, grads = _step(model, ids)
+    ref_loss, ref_grads = _step(reference, ids)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * len(targets) * 2
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < 1e-4, name
+    report = model._loracc.backend.report
+    assert {e["stage"] for e in report} == {"forward", "backward"}
+    assert all(e["runs"].startswith("fused") for e in report), report
+
+
+def test_unsupported_node_keeps_reference_op_and_says_why():
+    def layer(x, w, a, b):
+        return torch.ops.loracc.lora_linear(x, w, None, a, b, 0.5, None)
+
+    args = [torch.randn(5, 8, dtype=torch.float64, device=DEVICE), torch.randn(6, 8, dtype=torch.float64, device=DEVICE),
+            torch.randn(2, 8, dtype=torch.float64, device=DEVICE), torch.randn(6, 2, dtype=torch.float64, device=DEVICE)]
+    gm = trace(layer, args)
+    backend = TritonBackend(DEVICE)
+    compiled = backend.compile(gm, "forward")
+    assert [n.target for n in compiled.graph.nodes if n.op == "call_function"] == [LORA_LINEAR]
+    assert "float64" in backend.report[0]["runs"] and backend.report[0]["runs"].startswith("reference op")
+    assert torch.equal(compiled(*args), layer(*args))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [LORA_LINEAR]
+
+
+def test_supported_node_is_replaced_without_touching_the_input_graph():
+    def layer(x, w, a, b):
+        return torch.ops.loracc.lora_linear(x, w, None, a, b, 0.5, None)
+
+    args = [torch.randn(5, 48, device=DEVICE), torch.randn(40, 48, device=DEVICE),
+            torch.randn(4, 48, device=DEVICE), torch.randn(40, 4, device=DEVICE)]
+    gm = trace(layer, args)
+    compiled = TritonBackend(DEVICE).compile(gm, "forward")
+    assert [n.target for n in compiled.graph.nodes if n.op == "call_function"] == [lora_linear.lora_linear]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [LORA_LINEAR]
+    assert rel_err(compiled(*args), layer(*args)) < 1e-5
+
+
+def test_auto_backend_picks_by_device():
+    assert get_backend("auto", torch.device("cpu")).name == "eager"
+    if torch.cuda.is_available():
+        assert get_backend("auto", torch.device("cuda")).name == "triton"
+    with pytest.raises(loracc.LoraccError, match="CUDA"):
+        TritonBackend(torch.device("meta"))
