@@ -1,0 +1,226 @@
+"""One LoRA linear, forward + backward: loracc's fused kernels against the frozen GEMMs and PEFT.
+
+    LORACC_CACHE_DIR=/tmp/loracc-cache python benchmarks/lora_linear.py --out DIR
+
+At each shape of ../shared/ANCHORS.md (T = 8192 tokens, r = 16, bf16):
+
+- frozen: ``x@Wᵀ`` and ``dY@W`` on cuBLAS, the floor (no LoRA layer can be cheaper);
+- peft: ``x@Wᵀ + s·(x@Aᵀ)@Bᵀ`` with autograd (what PEFT runs), gradients for x, A, B;
+- loracc: ``loracc.codegen.lora_linear``'s forward and backward (what a compiled graph runs), after
+  autotuning at the shape (cold, timed: the first call) and, in a second process, with the choices
+  and kernels from the cache (warm).
+
+Every candidate the autotuner may pick (each template config and the cuBLAS variant, forward and
+input gradient) is first checked against an fp32 reference on the same random inputs. Times are
+medians of ``triton.testing.do_bench`` (CUDA events). Writes ``lora_linear.json`` and
+``lora_linear.md`` to ``--out`` and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loracc.codegen import autotune, lora_linear  # noqa: E402
+
+SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 14336)]
+SCALE = 2.0
+TOLERANCE = 2e-2
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@contextlib.contextmanager
+def forced(choice: str):
+    """Run the fused ops with one named candidate instead of the autotuner's pick."""
+    real = autotune.choose
+    autotune.choose = lambda description, candidates, device: choice
+    try:
+        yield
+    finally:
+        autotune.choose = real
+
+
+def make_layer(tokens, in_f, out_f, rank, dtype, adapter_dtype, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(in_f * 7 + out_f)
+
+    def rnd(*shape, dt=dtype, std=1.0):
+        return (torch.randn(*shape, device=device, generator=g) * std).to(dt)
+
+    return dict(
+        x=rnd(tokens, in_f), weight=rnd(out_f, in_f, std=in_f ** -0.5),
+        lora_a=rnd(rank, in_f, dt=adapter_dtype, std=in_f ** -0.5), lora_b=rnd(out_f, rank, dt=adapter_dtype, std=rank ** -0.5),
+        grad_y=rnd(tokens, out_f),
+    )
+
+
+def loracc_step(layer):
+    x, w, a, b, gy = layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], layer["grad_y"]
+    y = lora_linear.lora_linear(x, w, None, a, b, SCALE, None)
+    grad_x, _, grad_a, grad_b, _ = lora_linear.lora_linear_backward(gy, x, w, a, b, SCALE, True, True, False, False)
+    return y, grad_x, grad_a, grad_b
+
+
+def reference_step(layer):
+    """fp32 reference from the same (rounded) inputs."""
+    x, w, a, b, gy = (layer[k].float() for k in ("x", "weight", "lora_a", "lora_b", "grad_y"))
+    u = x @ a.t()
+    grad_u = SCALE * gy @ b
+    return x @ w.t() + SCALE * u @ b.t(), gy @ w + grad_u @ a, grad_u.t() @ x, SCALE * gy.t() @ u
+
+
+def check_candidates(layer) -> dict:
+    """Relative error of each candidate (forward and input-gradient GEMMs) against the fp32 reference."""
+    expected = reference_step(layer)
+    names = [f"triton {c}" for c in lora_linear._configs(layer["lora_a"].shape[0])] + ["cublas"]
+    errors = {}
+    for name in names:
+        with forced(name):
+            got = loracc_step(layer)
+        errors[name] = [rel_err(g, e) for g, e in zip(got, expected)]
+    return errors
+
+
+def peft_step(layer, x, a, b):
+    w, gy = layer["weight"], layer["grad_y"]
+    y = F.linear(x, w) + F.linear(F.linear(x, a), b) * SCALE
+    y.backward(gy)
+
+
+def frozen_step(layer):
+    return layer["x"] @ layer["weight"].t(), layer["grad_y"] @ layer["weight"]
+
+
+def bench(fn, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def run_shape(tokens, in_f, out_f, rank, adapter_dtype) -> dict:
+    layer = make_layer(tokens, in_f, out_f, rank, torch.bfloat16, adapter_dtype)
+    row = {"in": in_f, "out": out_f, "tokens": tokens, "rank": rank, "adapter_dtype": str(adapter_dtype)}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    got = loracc_step(layer)  # autotunes at this shape: compiles and times every candidate (cold)
+    torch.cuda.synchronize()
+    row["first_call_s"] = time.perf_counter() - start
+    row["errors"] = [rel_err(g, e) for g, e in zip(got, reference_step(layer))]
+    row["candidate_errors"] = check_candidates(layer)
+    names = _kernel_names(in_f, out_f, rank)
+    tuned = [d for d in autotune.decisions.values() if d["kernel"] in names and d["adapter_dtype"] == str(adapter_dtype)]
+    row["choices"] = {d["op"]: d["choice"] for d in tuned}
+    row["autotune_ms"] = {d["op"]: d["timings_ms"] for d in tuned}
+    row["frozen_ms"] = bench(lambda: frozen_step(layer))
+    x = layer["x"].clone().requires_grad_(True)
+    a = layer["lora_a"].clone().requires_grad_(True)
+    b = layer["lora_b"].clone().requires_grad_(True)
+    row["peft_ms"] = bench(lambda: peft_step(layer, x, a, b), grad_to_none=[x, a, b])
+    row["loracc_ms"] = bench(lambda: loracc_step(layer))
+    row["loracc_forward_ms"] = bench(lambda: lora_linear.lora_linear(layer["x"], layer["weight"], None, layer["lora_a"], layer["lora_b"], SCALE, None))
+    row["frozen_forward_ms"] = bench(lambda: layer["x"] @ layer["weight"].t())
+    return row
+
+
+def _kernel_names(in_f, out_f, rank):
+    from loracc.codegen.lora_gemm import LoraGemm
+
+    return {LoraGemm("forward", in_f, out_f, rank, torch.bfloat16).name,
+            LoraGemm("grad_input", in_f, out_f, rank, torch.bfloat16).name}
+
+
+def warm_first_call(tokens, in_f, out_f, rank) -> float:
+    """First fused call in a fresh process that finds the cache filled: the warm start."""
+    code = (
+        "import time, torch, sys; sys.argv=['x']; import benchmarks.lora_linear as b; "
+        f"layer = b.make_layer({tokens}, {in_f}, {out_f}, {rank}, torch.bfloat16, torch.bfloat16); "
+        "torch.cuda.synchronize(); t = time.perf_counter(); b.loracc_step(layer); torch.cuda.synchronize(); "
+        "print(time.perf_counter() - t)"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())), "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(),
+        "cache_dir": os.environ.get("LORACC_CACHE_DIR", "(default)"), "command": " ".join(sys.argv),
+    }
+
+
+def table(rows) -> str:
+    lines = ["| in → out | frozen ms | PEFT-style ms | loracc ms | PEFT / frozen | loracc / frozen | fwd / frozen fwd | forward, grad-input choice | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['in']} → {r['out']} | {r['frozen_ms']:.3f} | {r['peft_ms']:.3f} | {r['loracc_ms']:.3f} | "
+            f"{r['peft_ms'] / r['frozen_ms']:.2f}× | {r['loracc_ms'] / r['frozen_ms']:.2f}× | "
+            f"{r['loracc_forward_ms'] / r['frozen_forward_ms']:.2f}× | "
+            f"{r['choices'].get('lora_linear', '?')}, {r['choices'].get('lora_linear_backward', '?')} | {max(r['errors']):.1e} |"
+        )
+    geo = lambda key: math.exp(sum(math.log(r[key] / r["frozen_ms"]) for r in rows) / len(rows))  # noqa: E731
+    lines.append(f"\ngeometric mean over the shapes: loracc / frozen = {geo('loracc_ms'):.3f}×, PEFT-style / frozen = {geo('peft_ms'):.3f}×")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--shapes", default=None, help="e.g. 2048x512,4096x4096 (default: the six of ANCHORS.md)")
+    args = parser.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    rows, failures = [], []
+    for in_f, out_f in shapes:
+        row = run_shape(args.tokens, in_f, out_f, args.rank, torch.bfloat16)
+        rows.append(row)
+        bad = {n: e for n, e in row["candidate_errors"].items() if max(e) > TOLERANCE}
+        if bad or max(row["errors"]) > TOLERANCE:
+            failures.append((in_f, out_f, bad, row["errors"]))
+        print(f"{in_f}x{out_f}: frozen {row['frozen_ms']:.3f} peft {row['peft_ms']:.3f} loracc {row['loracc_ms']:.3f} "
+              f"choices {row['choices']} first call {row['first_call_s']:.1f}s", flush=True)
+    mixed = make_layer(args.tokens, 4096, 4096, args.rank, torch.bfloat16, torch.float32)
+    fp32_adapter_errors = [rel_err(g, e) for g, e in zip(loracc_step(mixed), reference_step(mixed))]
+    warm = warm_first_call(args.tokens, 4096, 4096, args.rank)
+    result = {"environment": environment(), "rows": rows, "fp32_adapters_4096_errors": fp32_adapter_errors,
+              "warm_first_call_s_4096x4096": warm, "failures": failures}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lora_linear.json").write_text(json.dumps(result, indent=1, default=str))
+    text = table(rows)
+    (out / "lora_linear.md").write_text(text + "\n")
+    cold = [r["first_call_s"] for r in rows if (r["in"], r["out"]) == (4096, 4096)]
+    print(f"fp32 adapters (4096x4096) rel errors y, dX, dA, dB: {[f'{e:.1e}' for e in fp32_adapter_errors]}")
+    print(f"first fused call at 4096x4096: cold {cold[0] if cold else float('nan'):.2f} s (compile + autotune), "
+          f"warm {warm:.2f} s (a second process, cache filled)")
+    print("FAILURES: " + json.dumps(failures, default=str) if failures else "all candidates within tolerance")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
