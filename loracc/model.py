@@ -88,18 +88,10 @@ def uncompile(model: nn.Module) -> nn.Module:
 
 
 def _check_budget(budget) -> None:
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise LoraccError(f"memory_budget must be None, a fraction in [0, 1], a byte count or a string like '8GB'; got {budget!r}")
-    if isinstance(budget, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)\s*", budget, re.I):
-        raise LoraccError(f"memory_budget {budget!r} is not a size: write it like '8GB' or '512MiB'")
-    if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
-        raise LoraccError(f"memory_budget as a float is a fraction of the saved activations, in [0, 1]; got {budget}")
-    raise LoraccError(
-        "memory_budget: rematerialization under a budget is not available in this version of loracc; "
-        "compile with memory_budget=None (the fastest plan)"
-    )
+    """Refuse a ``memory_budget`` that ``passes.remat.parse_budget`` cannot read, before any capture."""
+    from .passes.remat import parse_budget
+
+    parse_budget(budget)
 
 
 def _check_parameters(model: nn.Module) -> torch.device:

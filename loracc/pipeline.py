@@ -1,4 +1,4 @@
-"""The pipeline for one region call: capture → forward passes → joint → partition → codegen.
+"""The pipeline for one region call: capture → forward passes → joint → remat → partition → memory plan → codegen.
 
 ``compile_call`` returns a ``Program``: the two callables the runtime runs, plus every stage's graph
 and every pass's report, for ``loracc dump`` and ``loracc.explain``.
@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
-from .passes import FORWARD_PASSES, partition
+from .passes import FORWARD_PASSES, memory_plan, partition, remat
 
 
 @dataclass
@@ -29,7 +29,16 @@ class Program:
     compile_seconds: float = 0.0
 
 
-def compile_call(module: nn.Module, path: str, signature: CallSignature, state: list, backend, *, memory_budget=None) -> Program:
+def compile_call(
+    module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
+    memory_budget=None, repeats: int = 1, reserved_bytes: int | None = None,
+) -> Program:
+    """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
+
+    ``memory_budget`` is what ``loracc.compile`` took; a byte limit also needs ``repeats`` (how many
+    times a step runs this program: a block region's number of layers) and ``reserved_bytes`` (what
+    the rest of the step holds meanwhile), see ``passes.remat``.
+    """
     start = time.perf_counter()
     stages, reports = {}, {}
     captured = capture_forward(module, path, signature)
@@ -45,12 +54,20 @@ def compile_call(module: nn.Module, path: str, signature: CallSignature, state: 
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
     n_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     joint = derive_joint(gm, needs_grad)
-    stages["joint"] = joint
+    stages["joint"] = _snapshot(joint)
+    reports["remat"] = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes).report
+    stages["remat"] = _snapshot(joint)
     result = partition(joint, n_outputs)
     reports["partition"] = result.report
     parts = result.gm
-    stages["forward"] = parts.forward
-    stages["backward"] = parts.backward
+    memory = {}
+    for stage, graph in (("forward", parts.forward), ("backward", parts.backward)):
+        planned = memory_plan(graph)
+        stages[stage] = planned.gm
+        memory[stage] = planned.report
+    # The forward and the backward never run at once: one arena serves both, and every layer.
+    memory["arena_bytes"] = max(memory["forward"]["arena_bytes"], memory["backward"]["arena_bytes"])
+    reports["memory_plan"] = memory
 
     out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
     return Program(

@@ -6,7 +6,9 @@ and what it guarantees. Every intermediate graph still runs eagerly: loracc's op
 implementations, so each pass's test runs the graph before and after and compares.
 
 ``FORWARD_PASSES`` run on a region's forward graph before its backward is derived (so the backward
-of a matched LoRA layer is loracc's backward op); ``partition`` then splits the joint graph.
+of a matched LoRA layer is loracc's backward op). On the joint graph, ``remat`` marks what the
+forward saves under the memory budget and ``partition`` splits it there; ``memory_plan`` then plans
+the buffers of the forward graph and of the backward graph.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ class PassResult:
 
 from .cleanup import cleanup  # noqa: E402
 from .lora_match import lora_match  # noqa: E402
+from .memory_plan import memory_plan  # noqa: E402
 from .partition import partition  # noqa: E402
+from .remat import remat  # noqa: E402
 
 FORWARD_PASSES = [cleanup, lora_match]
 
-__all__ = ["PassResult", "FORWARD_PASSES", "cleanup", "lora_match", "partition"]
+__all__ = ["PassResult", "FORWARD_PASSES", "cleanup", "lora_match", "remat", "partition", "memory_plan"]

@@ -1,25 +1,27 @@
-"""partition: split a joint graph into the forward graph and the backward graph.
+"""partition: split a joint graph into the forward graph and the backward graph along remat's cut.
 
-Requires: a joint graph from ``derive_joint``: inputs ``(*primals, *tangents)``, outputs
-``(*forward_outputs, *input_grads)``, each node annotated with its phase.
+Requires: a joint graph from ``derive_joint`` (inputs ``(*primals, *tangents)``, outputs
+``(*forward_outputs, *input_grads)``, each node annotated with its phase) whose saved values
+``remat`` marked with ``meta["loracc"]["saved"]``.
 Guarantees: ``forward(*primals) -> (*forward_outputs, *saved)`` and
 ``backward(*saved, *tangents) -> input_grads`` compute what the joint graph computes. The forward
-runs exactly the nodes the outputs need plus every random op (a dropout mask is drawn once, in
-the forward, and saved; never drawn again). Nodes only the backward needs run in the backward,
-from the saved values. Saved values are marked ``meta["loracc"]["saved"] = True``.
-
-This is the save-what-the-backward-reads partition; ``remat`` chooses under a memory budget.
+runs the nodes its outputs and the saved values need, plus every random op and in-place op (a
+dropout mask is drawn once, in the forward). The backward runs the gradient nodes and recomputes
+the forward nodes they need from the saved values, each just before its first use, so that a
+recomputed value is not held longer than the eager backward would hold it. A cut that would make
+the backward read an input that is not saved, or run a random or in-place op again, is refused.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from ..graph import info, node_bytes, output_node, placeholders
+from ..errors import Unsupported
+from ..graph import info, output_node, placeholders
 from . import PassResult
+from .memory_plan import activation_bytes, is_mutation
 
 
 @dataclass
@@ -28,34 +30,61 @@ class Partitioned:
     backward: fx.GraphModule
     saved: list[str]
     saved_bytes: int
+    recomputed: list[str]
 
 
 def is_random(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in node.target.tags
-    )
+    """True for ops that draw random numbers; attention ops only when their dropout is on."""
+    if not (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in node.target.tags
+    ):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return p != 0
+    return True
+
+
+def runs_in_forward_only(node: fx.Node) -> bool:
+    """Random and in-place ops of the forward: run once, in the forward, never again."""
+    return info(node).get("phase") == "forward" and (is_random(node) or is_mutation(node))
 
 
 def partition(joint: fx.GraphModule, n_outputs: int) -> PassResult:
+    saved = [n for n in joint.graph.nodes if "saved" in info(n)]
+    result = split(joint, n_outputs, saved)
+    report = {
+        "saved tensors": len([s for s in saved if s.op != "placeholder"]),
+        "saved inputs": len([s for s in saved if s.op == "placeholder"]),
+        "saved bytes": result.saved_bytes,
+        "recomputed in backward": len(result.recomputed),
+        "primals": len([p for p in placeholders(joint) if info(p).get("role") != "tangent"]),
+    }
+    return PassResult(result, report)
+
+
+def split(joint: fx.GraphModule, n_outputs: int, saved) -> Partitioned:
+    """The forward and backward graphs when the forward saves exactly ``saved`` (joint nodes)."""
     nodes = list(joint.graph.nodes)
+    saved_set = set(saved)
+    saved = [n for n in nodes if n in saved_set]
     out_args = output_node(joint).args[0]
     fw_outs, grads = list(out_args[:n_outputs]), list(out_args[n_outputs:])
     primals = [n for n in placeholders(joint) if info(n).get("role") != "tangent"]
     tangents = [n for n in placeholders(joint) if info(n).get("role") == "tangent"]
 
-    forward = _ancestors([o for o in fw_outs if isinstance(o, fx.Node)] + [n for n in nodes if is_random(n)])
-    forward |= set(primals)
-    # A tuple is never saved: the items of a forward tuple the backward reads are taken in the forward.
-    forward |= {u for n in forward for u in n.users if u.target is operator.getitem}
-    backward = [n for n in nodes if n.op == "call_function" and n not in forward]
-    backward_set = set(backward)
-    saved = [n for n in nodes if n in forward and any(u in backward_set for u in n.users)]
+    roots = [o for o in fw_outs if isinstance(o, fx.Node)] + saved + [n for n in nodes if runs_in_forward_only(n)]
+    forward = _ancestors(roots) | set(primals)
+    backward = backward_nodes(joint, n_outputs, saved_set)
 
     fwd_graph = fx.Graph()
     env = {}
     for n in nodes:
         if n in forward:
-            env[n] = fwd_graph.node_copy(n, lambda a: env[a])
+            env[n] = _copy(fwd_graph, n, env)
     fwd_graph.output([env[o] if isinstance(o, fx.Node) else o for o in fw_outs] + [env[s] for s in saved])
 
     bwd_graph = fx.Graph()
@@ -63,31 +92,62 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> PassResult:
     for s in saved:
         benv[s] = bwd_graph.placeholder(s.name)
         benv[s].meta.update(s.meta)
+        benv[s].meta["loracc"] = dict(info(s))
     for t in tangents:
-        benv[t] = bwd_graph.node_copy(t)
+        benv[t] = _copy(bwd_graph, t, benv)
     for n in backward:
-        benv[n] = bwd_graph.node_copy(n, lambda a: benv[a])
+        benv[n] = _copy(bwd_graph, n, benv)
     bwd_graph.output([benv[g] if isinstance(g, fx.Node) else g for g in grads])
 
-    for s in saved:
-        info(s)["saved"] = True
-    saved_bytes = sum(node_bytes(s) for s in saved if s.op != "placeholder")
-    result = Partitioned(
-        forward=fx.GraphModule(joint, fwd_graph, class_name="Forward"),
-        backward=fx.GraphModule(joint, bwd_graph, class_name="Backward"),
-        saved=[s.name for s in saved],
-        saved_bytes=saved_bytes,
-    )
-    for gm in (result.forward, result.backward):
+    fwd_gm = fx.GraphModule(joint, fwd_graph, class_name="Forward")
+    bwd_gm = fx.GraphModule(joint, bwd_graph, class_name="Backward")
+    for gm in (fwd_gm, bwd_gm):
         gm.graph.lint()
-    report = {
-        "saved tensors": len([s for s in saved if s.op != "placeholder"]),
-        "saved inputs": len([s for s in saved if s.op == "placeholder"]),
-        "saved bytes": saved_bytes,
-        "recomputed in backward": len([n for n in backward if info(n).get("phase") == "forward"]),
-        "primals": len(primals),
-    }
-    return PassResult(result, report)
+    recomputed = [n.name for n in backward if info(n).get("phase") == "forward"]
+    return Partitioned(fwd_gm, bwd_gm, [s.name for s in saved], activation_bytes(saved), recomputed)
+
+
+def backward_nodes(joint: fx.GraphModule, n_outputs: int, saved: set) -> list[fx.Node]:
+    """The nodes the backward runs when the forward saves ``saved``, in the order it runs them.
+
+    Gradient nodes keep their joint order; a forward node the backward needs again comes right
+    before its first user.
+    """
+    grads = [g for g in output_node(joint).args[0][n_outputs:] if isinstance(g, fx.Node)]
+    needed, stack = set(), list(grads)
+    while stack:
+        n = stack.pop()
+        if n in needed or n in saved or info(n).get("role") == "tangent":
+            continue
+        if n.op == "placeholder" or runs_in_forward_only(n):
+            raise Unsupported(
+                f"the backward needs {n.name} ({n.target}), which the forward does not save and which "
+                "cannot run again in the backward (a graph input, a random or an in-place op)"
+            )
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+
+    order, emitted = [], set()
+    first = [n for n in joint.graph.nodes if n in needed and info(n).get("phase") == "backward"] + grads
+    for root in first:
+        stack = [(root, False)]
+        while stack:  # post-order: a node after the recomputed inputs it needs
+            n, inputs_done = stack.pop()
+            if n in emitted or n not in needed:
+                continue
+            if inputs_done:
+                emitted.add(n)
+                order.append(n)
+            else:
+                stack.append((n, True))
+                stack.extend((a, False) for a in reversed(n.all_input_nodes))
+    return order
+
+
+def _copy(graph: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
+    new = graph.node_copy(node, lambda a: env[a])
+    new.meta["loracc"] = dict(info(node))  # marks set on one graph's node stay off the others
+    return new
 
 
 def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
@@ -99,4 +159,3 @@ def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
-

@@ -1,0 +1,193 @@
+"""memory_plan: liveness of every buffer a graph allocates, and its offsets in one arena.
+
+Requires: a forward or backward graph from ``partition`` whose nodes carry their fake values
+(``meta["val"]``); saved values marked by ``remat`` (``meta["loracc"]["saved"]``).
+Guarantees: the graph is unchanged. Every node that allocates a buffer the graph frees again (an
+intermediate: not an input, not an output) gets ``meta["loracc"]["arena_offset"]``, its byte offset
+in one arena of ``arena_bytes``; two buffers alive at the same time never overlap. A buffer is alive
+from the node that allocates it to the last node that reads it or any view of it (views, in-place
+ops and tuple items share their base's buffer). Because every intermediate dies inside the graph,
+one arena serves every call: every layer of a repeated block, its forward and its backward.
+
+The report: ``arena_bytes``; ``peak_bytes``, the most bytes the graph holds above its inputs at any
+point when each buffer is allocated at its node and freed after its last use (what the eager backend
+does: fx frees each value after its last use), outputs included; ``output_bytes``; ``saved_bytes``,
+the activation bytes the forward hands to the backward (graph inputs that are activations count,
+parameters do not).
+
+The eager backend runs the graph as is and lets the allocator place each buffer; running out of
+the arena needs generated kernels that write into ``out=`` buffers, which is codegen's part.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..graph import info, output_values, role
+from . import PassResult
+
+ALIGNMENT = 256  # bytes: the arena places every buffer on a boundary GPU kernels load from at full width
+PARAMETER_ROLES = ("frozen_weight", "lora_A", "lora_B", "trainable", "buffer")
+
+
+@dataclass
+class Buffer:
+    """One allocation: ``key`` is ``(node, item)``; ``item`` is the tuple position or None."""
+
+    key: tuple
+    nbytes: int
+    first: int
+    last: int
+    is_output: bool
+
+
+def aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose buffer ``node``'s value lives in (views, in-place ops), or None if it allocates."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    returns = node.target._schema.returns
+    if node.target == torch.ops.aten._unsafe_view.default:
+        return node.args[0]
+    if len(returns) != 1 or returns[0].alias_info is None:
+        return None
+    alias_set = returns[0].alias_info.before_set
+    for arg, value in zip(node.target._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.before_set & alias_set and isinstance(value, fx.Node):
+            return value
+    return None
+
+
+def is_mutation(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target._schema.is_mutable
+    )
+
+
+def storage_key(node: fx.Node) -> tuple:
+    """``(allocating node, tuple item or None)`` of the buffer ``node``'s value lives in."""
+    item = None
+    while True:
+        if node.op == "call_function" and node.target is operator.getitem and _is_tuple(node.args[0]):
+            node, item = node.args
+        elif (base := aliased_input(node)) is not None:
+            node, item = base, None  # a tuple of views (split, unbind) lives in its base
+        else:
+            return node, item
+
+
+def value_bytes(val) -> int:
+    """Bytes a tensor's buffer spans (its strides included), 0 for anything else."""
+    if not isinstance(val, torch.Tensor) or val.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(val.shape, val.stride()))
+    return span * val.element_size()
+
+
+def buffers(gm: fx.GraphModule) -> list[Buffer]:
+    """Every buffer allocated by a node of ``gm``, with the span of nodes it is alive for."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    outputs = {storage_key(o) for o in output_values(gm) if isinstance(o, fx.Node)}
+    last: dict[tuple, int] = {}
+    for node in nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        key = storage_key(node)
+        last[key] = max(last.get(key, position[node]), max((position[u] for u in node.users), default=position[node]))
+    found = []
+    for node in nodes:
+        if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
+            continue
+        val = node.meta.get("val")
+        items = list(enumerate(val)) if _is_tuple(node) else [(None, val)]
+        for item, v in items:
+            nbytes = value_bytes(v)
+            key = (node, item)
+            if nbytes and key in last:
+                found.append(Buffer(key, nbytes, position[node], last[key], key in outputs))
+    return found
+
+
+def plan_offsets(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """Offsets in one arena for buffers of ``sizes`` alive over the inclusive ``spans``.
+
+    Open/close events in time order; each buffer goes at the lowest aligned offset where it fits
+    between the buffers alive at its first use (first fit). Returns ``(offsets, arena_bytes)``.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: (spans[i][0], -sizes[i]))
+    live: list[int] = []
+    offsets = [0] * len(sizes)
+    arena = 0
+    for i in order:
+        start = spans[i][0]
+        live = sorted((j for j in live if spans[j][1] >= start), key=lambda j: offsets[j])
+        size = _aligned(sizes[i])
+        offset = 0
+        for j in live:
+            if offset + size <= offsets[j]:
+                break
+            offset = max(offset, offsets[j] + _aligned(sizes[j]))
+        offsets[i] = offset
+        live.append(i)
+        arena = max(arena, offset + size)
+    return offsets, arena
+
+
+def graph_memory(gm: fx.GraphModule) -> dict:
+    """The memory report of ``gm`` (see the module docstring) without annotating it."""
+    found = buffers(gm)
+    n = len(gm.graph.nodes)
+    delta = [0] * (n + 1)
+    for b in found:
+        delta[b.first] += b.nbytes
+        if not b.is_output:
+            delta[b.last + 1] -= b.nbytes
+    peak = held = 0
+    for step in delta:
+        held += step
+        peak = max(peak, held)
+    temps = [b for b in found if not b.is_output]
+    _, arena = plan_offsets([b.nbytes for b in temps], [(b.first, b.last) for b in temps])
+    return {
+        "arena_bytes": arena,
+        "peak_bytes": peak,
+        "output_bytes": sum(b.nbytes for b in found if b.is_output),
+        "saved_bytes": activation_bytes(n for n in gm.graph.nodes if "saved" in info(n) and n.op != "output"),
+        "buffers": len(found),
+    }
+
+
+def activation_bytes(nodes) -> int:
+    """Bytes of the buffers ``nodes`` live in, each once; parameters and buffers count 0 (they live
+    for the whole run whether saved or not)."""
+    keys = {}
+    for node in nodes:
+        root, _ = storage_key(node)
+        if not (root.op == "placeholder" and role(root) in PARAMETER_ROLES):
+            keys[storage_key(node)] = value_bytes(node.meta.get("val"))
+    return sum(keys.values())
+
+
+def memory_plan(gm: fx.GraphModule) -> PassResult:
+    found = [b for b in buffers(gm) if not b.is_output]
+    offsets, _ = plan_offsets([b.nbytes for b in found], [(b.first, b.last) for b in found])
+    for b, offset in zip(found, offsets):
+        node, item = b.key
+        if item is None:
+            info(node)["arena_offset"] = offset
+        else:
+            info(node).setdefault("arena_offset", {})[item] = offset
+    return PassResult(gm, graph_memory(gm))
+
+
+def _is_tuple(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT

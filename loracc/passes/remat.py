@@ -1,0 +1,328 @@
+"""remat: choose what a region's forward saves and what its backward recomputes, under a budget.
+
+Requires: a joint graph from ``derive_joint`` (inputs ``(*primals, *tangents)``, outputs
+``(*forward_outputs, *input_grads)``, nodes annotated with role and phase) and its number of forward
+outputs.
+Guarantees: the graph computes what it computed; the cut is marked on it: each value the forward
+hands to the backward has ``meta["loracc"]["saved"]``, each forward node the backward computes again
+``meta["loracc"]["recomputed"]`` (both: the value's bytes). ``partition`` splits along the marks; the
+backward can compute every gradient from the saved values and the tangents. Graph inputs, random ops
+(dropout masks, attention with dropout and its seeds) and in-place ops, with the values they write
+or that are read before they write, are never recomputed: a mask is drawn once and saved.
+
+How: a minimum s-t cut (networkx) of the joint graph. Every forward node is an edge ``in -> out``;
+cutting it means saving the value (cost: its bytes; parameters cost nothing, graph inputs that are
+activations cost their bytes, views and tuples cannot be saved: their base or items are). A forward
+node on the backward side of the cut is recomputed; ``source -> in`` charges that: one tie-breaking
+unit for cheap ops (norms, activations, casts, views, rank-r LoRA products), ``price`` × FLOPs for
+GEMMs and attention. The fastest plan (``memory_budget=None``) has an infinite price: it saves the
+fewest bytes that recomputing only cheap ops allows. Lowering the price trades FLOPs for bytes, and
+the saved bytes never grow as the price falls (the cut minimises bytes + price × FLOPs, a Lagrangian
+relaxation; capacities are exact integers). A budget picks the highest price on a fixed grid whose
+plan fits: so saved bytes fall monotonically with the budget. Plans between two grid prices are not
+considered (the relaxation only reaches the lower convex hull of bytes against FLOPs).
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from ..errors import LoraccError, Unsupported
+from ..graph import info, output_node, placeholders, role
+from . import PassResult
+from .memory_plan import PARAMETER_ROLES, activation_bytes, aliased_input, graph_memory, is_mutation, storage_key, value_bytes
+from .partition import backward_nodes, is_random, split
+
+aten = torch.ops.aten
+GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.convolution, torch.ops.loracc.lora_linear}
+ATTENTION = {
+    getattr(aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    )
+    if hasattr(aten, name)
+}
+FASTEST = None  # the price of recomputing a GEMM or attention in the fastest plan: never
+# Prices in bytes saved per FLOP recomputed: 4 steps per octave from 2^-48 (a byte is worth far more
+# than any GEMM) to 2^8 (recompute anything for a byte), then 0 (recompute everything possible).
+PRICES = [FASTEST] + [Fraction(m, 4) * Fraction(2) ** e for e in range(8, -49, -1) for m in (7, 6, 5, 4)] + [Fraction(0)]
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MIN_LIMIT_BYTES = 2**20
+REFINE_STEPS = 10
+SOURCE, SINK = "source", "sink"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed ``memory_budget``: neither field (the fastest plan), a fraction, or a byte limit."""
+
+    fraction: float | None = None
+    limit_bytes: int | None = None
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction:g} of the fastest plan's saved bytes"
+        if self.limit_bytes is not None:
+            return f"step peak <= {self.limit_bytes / 2**30:.2f} GiB"
+        return "fastest plan"
+
+
+def parse_budget(value) -> Budget:
+    """``None``; a float in [0, 1] (fraction of the activation bytes the fastest plan saves); an int
+    of bytes or a string like ``"8GB"``/``"512MiB"`` (GB = 10^9 bytes, GiB = 2^30), a limit on the
+    whole step's peak memory, weights included."""
+    if value is None:
+        return Budget()
+    if isinstance(value, Budget):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise LoraccError(
+            f"memory_budget must be None, a fraction in [0, 1], a byte count or a string like '8GB'; got {value!r}"
+        )
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise LoraccError(
+                f"memory_budget as a float is a fraction of the activation bytes of the fastest plan, in [0, 1]; got {value}"
+            )
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)\s*", value, re.IGNORECASE)
+        if match is None:
+            raise LoraccError(f"memory_budget {value!r} is not a size: write it like '8GB' or '512MiB'")
+        value = int(float(match[1]) * UNITS[match[2].lower()])
+    if value < MIN_LIMIT_BYTES:
+        raise LoraccError(
+            f"memory_budget={value} is read as {value} bytes, less than any training step needs; write a "
+            "fraction as a float (memory_budget=0.5) or a size as a string (memory_budget='8GB')"
+        )
+    return Budget(limit_bytes=value)
+
+
+def region_peak_bytes(repeats: int, saved: int, forward_peak: int, backward_peak: int, tangent_bytes: int) -> int:
+    """Peak bytes a region adds to a step when its graphs run ``repeats`` times (a block's layers).
+
+    The forward of the last layer runs while the earlier layers hold their saved values; the backward
+    of the last layer (the first to run) runs while every layer holds them, with the incoming gradient.
+    """
+    return repeats * saved + max(forward_peak, tangent_bytes + backward_peak)
+
+
+def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 1, reserved_bytes: int | None = None) -> PassResult:
+    """Mark the cut for ``budget`` (anything ``parse_budget`` takes) on ``joint``.
+
+    A byte limit needs ``repeats`` (how many times a step runs this region: its number of layers) and
+    ``reserved_bytes`` (what the rest of the step holds meanwhile: weights, gradients, optimizer
+    state, other regions' saved values); the plan chosen is the one whose step peak
+    ``reserved_bytes + region_peak_bytes(...)`` fits. ``LoraccError`` if none fits, naming the smallest
+    peak that recomputing everything possible reaches.
+    """
+    start = time.perf_counter()
+    budget = parse_budget(budget)
+    problem = _Cut(joint, n_outputs)
+    fastest = problem.plan(FASTEST)
+    report = {"budget": str(budget), "fastest plan saved bytes": fastest.saved_bytes}
+    if budget.fraction is not None:
+        target = int(budget.fraction * fastest.saved_bytes)
+        plan = problem.search(lambda p: p.saved_bytes <= target)
+    elif budget.limit_bytes is not None:
+        if reserved_bytes is None:
+            raise LoraccError(
+                "memory_budget as a byte limit needs the bytes the rest of the step holds (weights, optimizer "
+                "state, other regions), which this caller did not give; use a fraction such as memory_budget=0.5"
+            )
+        plan = problem.search(lambda p: reserved_bytes + problem.peak(p, repeats) <= budget.limit_bytes)
+        peak = reserved_bytes + problem.peak(plan, repeats)
+        if peak > budget.limit_bytes:
+            raise LoraccError(
+                f"memory_budget {budget.limit_bytes / 2**30:.2f} GiB cannot be met: even recomputing everything "
+                f"possible, the step needs about {peak / 2**30:.2f} GiB ({peak} bytes) with {repeats} "
+                f"layer(s) of this region; raise the budget, or shorten the batch or the sequences"
+            )
+        report["predicted peak bytes"] = peak
+    else:
+        plan = fastest
+    problem.mark(plan)
+    recomputed = backward_nodes(joint, n_outputs, set(plan.saved))
+    report.update({
+        "price": "inf" if plan.price is FASTEST else float(plan.price),
+        "saved bytes": plan.saved_bytes,
+        "saved": len(plan.saved),
+        "recomputed": len([n for n in recomputed if info(n).get("phase") == "forward"]),
+        "recomputed GEMMs and attention": len([
+            n for n in recomputed if info(n).get("phase") == "forward" and problem.expensive(n)
+        ]),
+        "cuts solved": problem.solved,
+        "seconds": round(time.perf_counter() - start, 3),
+    })
+    return PassResult(joint, report)
+
+
+@dataclass
+class Plan:
+    price: Fraction | None
+    saved: list[fx.Node]
+    saved_bytes: int
+    peak_bytes: dict = field(default_factory=dict)  # region peak by number of repeats, once computed
+
+
+class _Cut:
+    """The save-or-recompute cut of one joint graph, solvable at any price."""
+
+    def __init__(self, joint: fx.GraphModule, n_outputs: int):
+        self.joint, self.n_outputs = joint, n_outputs
+        self.nodes = [n for n in joint.graph.nodes if n.op != "output"]
+        self.backward = {n for n in self.nodes if info(n).get("phase") == "backward"}
+        self.grads = [g for g in output_node(joint).args[0][n_outputs:] if isinstance(g, fx.Node)]
+        self.fixed = _never_recomputed(self.nodes)
+        self.tie_scale = 2 * len(self.nodes) + 1  # a byte outweighs every tie-breaking unit together
+        # GEMMs with equal bytes per FLOP (q, k, v, gate, up) would all flip at one price; costs spread
+        # by up to 1/8 in graph order make them flip one at a time, so a budget can stop between them.
+        ranked = [n for n in self.nodes if n not in self.backward and self.expensive(n)]
+        self.rank = {n: i for i, n in enumerate(ranked)}
+        self.spread = 8 * max(1, len(ranked))
+        self.plans: dict = {}
+        self.solved = 0
+
+    def expensive(self, node: fx.Node) -> bool:
+        """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight)."""
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return False
+        packet = node.target.overloadpacket
+        if packet in ATTENTION or packet is torch.ops.loracc.lora_linear:
+            return True
+        return packet in GEMMS and not any(
+            role(storage_key(a)[0]) in ("lora_A", "lora_B") for a in node.all_input_nodes
+        )
+
+    def plan(self, price) -> Plan:
+        if price not in self.plans:
+            saved = self._solve(price)
+            self.plans[price] = Plan(price, saved, activation_bytes(saved))
+        return self.plans[price]
+
+    def search(self, fits) -> Plan:
+        """The plan at the highest price that ``fits``, assuming fit is monotone in the price; the
+        lowest-price plan if none fits. Prices come from a fixed set (``PRICES``, each step halved
+        ``REFINE_STEPS`` times), so a looser budget never gets a lower price."""
+        lo, hi = 0, len(PRICES) - 1  # PRICES falls from index 0; find the first index that fits
+        if fits(self.plan(PRICES[lo])):
+            return self.plan(PRICES[lo])
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(self.plan(PRICES[mid])):
+                hi = mid
+            else:
+                lo = mid
+        if PRICES[lo] is FASTEST:
+            return self.plan(PRICES[hi])
+        high, low = PRICES[lo], PRICES[hi]
+        for _ in range(REFINE_STEPS):
+            mid = (high + low) / 2
+            if fits(self.plan(mid)):
+                low = mid
+            else:
+                high = mid
+        return self.plan(low)
+
+    def peak(self, plan: Plan, repeats: int) -> int:
+        if repeats not in plan.peak_bytes:
+            parts = split(self.joint, self.n_outputs, plan.saved)
+            tangents = sum(value_bytes(t.meta.get("val")) for t in placeholders(self.joint) if role(t) == "tangent")
+            fwd, bwd = graph_memory(parts.forward), graph_memory(parts.backward)
+            plan.peak_bytes[repeats] = region_peak_bytes(
+                repeats, plan.saved_bytes, fwd["peak_bytes"], bwd["peak_bytes"], tangents
+            )
+        return plan.peak_bytes[repeats]
+
+    def mark(self, plan: Plan) -> None:
+        for n in self.nodes:
+            info(n).pop("saved", None)
+            info(n).pop("recomputed", None)
+        for n in plan.saved:
+            info(n)["saved"] = value_bytes(n.meta.get("val"))
+        for n in backward_nodes(self.joint, self.n_outputs, set(plan.saved)):
+            if info(n).get("phase") == "forward":
+                info(n)["recomputed"] = value_bytes(n.meta.get("val"))
+
+    def _solve(self, price) -> list[fx.Node]:
+        """Saved nodes of the minimum cut at ``price``; capacities scaled to integers, an edge
+        without capacity is infinite."""
+        num, den = (0, 1) if price is FASTEST else (price.numerator, price.denominator)
+        unit = den * self.spread
+        graph = nx.DiGraph()
+        graph.add_nodes_from([SOURCE, SINK])
+        for n in self.nodes:
+            if n in self.backward:
+                continue
+            save = self._save_bytes(n)
+            graph.add_edge((n, "in"), (n, "out"), **({} if save is None else {"capacity": unit * self.tie_scale * save}))
+            if n in self.fixed or (price is FASTEST and self.expensive(n)):
+                graph.add_edge(SOURCE, (n, "in"))
+            elif self.expensive(n):
+                flops = _flops(n) * (self.spread + self.rank[n])
+                graph.add_edge(SOURCE, (n, "in"), capacity=2 * unit + num * self.tie_scale * flops)
+            else:
+                graph.add_edge(SOURCE, (n, "in"), capacity=unit)
+            for user in n.users:
+                if user.op != "output":
+                    graph.add_edge((n, "out"), SINK if user in self.backward else (user, "in"))
+        for g in self.grads:
+            if g not in self.backward:
+                graph.add_edge((g, "out"), SINK)
+        try:
+            _, (reachable, _) = nx.minimum_cut(graph, SOURCE, SINK)
+        except nx.NetworkXUnbounded as exc:
+            raise Unsupported("remat found no way to split the forward from the backward: the backward needs a "
+                              "value that can be neither saved nor recomputed") from exc
+        self.solved += 1
+        return [n for n in self.nodes if (n, "in") in reachable and (n, "out") not in reachable]
+
+    @staticmethod
+    def _save_bytes(node: fx.Node) -> int | None:
+        """What saving ``node`` costs: None (impossible) for views, tuples and non-tensors."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or (aliased_input(node) is not None and not is_mutation(node)):
+            return None
+        if node.op == "placeholder" and role(node) in PARAMETER_ROLES:
+            return 0
+        return value_bytes(val)
+
+
+def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Inputs, random ops, in-place ops, every value an in-place op writes, and every read of such a
+    value made before its last write (recomputed later, it would read the written value)."""
+    position = {n: i for i, n in enumerate(nodes)}
+    last_write = {}
+    for n in nodes:
+        if is_mutation(n):
+            last_write[storage_key(n)] = position[n]
+    fixed = set()
+    for n in nodes:
+        if n.op == "placeholder" or is_random(n) or is_mutation(n) or storage_key(n) in last_write:
+            fixed.add(n)
+        elif any(position[n] < last_write.get(storage_key(a), -1) for a in n.all_input_nodes):
+            fixed.add(n)
+    return fixed
+
+
+def _flops(node: fx.Node) -> int:
+    """FLOPs of a GEMM or attention node, from its fake values."""
+    out = node.meta["val"]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    args = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
+    packet = node.target.overloadpacket
+    if packet in ATTENTION:
+        query, key = args[0], args[1]
+        return 4 * query.numel() * key.shape[-2]
+    if packet is aten.convolution:
+        return 2 * out.numel() * args[1][0].numel()
+    reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
+    return 2 * out.numel() * reduced.shape[-1]
