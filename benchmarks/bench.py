@@ -32,6 +32,7 @@ import time
 import traceback
 from pathlib import Path
 
+START = time.perf_counter()  # a worker's setup time (imports, model build) is counted from here
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 16, 32
 LEARNING_RATE = 1e-3  # large enough that the later losses depend on the gradients
@@ -178,6 +179,7 @@ def run_worker(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         model, peft_model, record["notes"] = build_model(args.workload, args.method, device)
+        record["build_s"] = time.perf_counter() - START
         if args.method.startswith("loracc"):
             import loracc
             budget = parse_budget(args.loracc_budget) if args.method == "loracc-budget" else None
@@ -287,12 +289,18 @@ def spawn(kind: str, argv: list[str], timeout: float, env: dict, cwd=None) -> tu
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--record-file", str(out), *argv]
         try:
             proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None, f"timeout: no result within {timeout:.0f} s"
+        except subprocess.TimeoutExpired as exc:
+            return None, f"timeout: no result within {timeout:.0f} s; last output: " + _tail(exc.stderr or exc.stdout)
         if out.exists():
             return json.loads(out.read_text()), ""
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return None, f"worker exited with code {proc.returncode}: " + " | ".join(tail)
+        return None, f"worker exited with code {proc.returncode}: " + _tail(proc.stderr or proc.stdout)
+
+
+def _tail(output, lines: int = 5) -> str:
+    """The last lines of a worker's output, on one line."""
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    return " | ".join((output or "(none)").strip().splitlines()[-lines:])
 
 
 def run_row(method: str, workload: str, batch: int, seq: int, args, suite: str, deadline: float) -> dict:
@@ -309,7 +317,11 @@ def run_row(method: str, workload: str, batch: int, seq: int, args, suite: str, 
         argv = ["--method", method, "--workload", workload, "--batch", str(batch), "--seq", str(seq),
                 "--steps", str(steps), "--warmup", str(warmup), "--loracc-budget", args.loracc_budget]
         # In the cache folder: some methods write compiled files into the working directory.
-        return spawn("step", argv, min(args.timeout, deadline - time.monotonic()), env, cwd=cache)
+        limit = min(args.timeout, deadline - time.monotonic())
+        record, why = spawn("step", argv, limit, env, cwd=cache)
+        if limit < args.timeout and why.startswith("timeout"):
+            why = why.replace("timeout:", "timeout (cut short by the run's --deadline):", 1)
+        return record, why
 
     # Unsloth's many dependencies can live in a folder of their own ($UNSLOTH_SITE), on the path of
     # its worker only, so that they cannot change what the other methods import.
@@ -351,8 +363,10 @@ def environment(args) -> dict:
         driver=driver, python=platform.python_version(),
         versions={n: version(n) for n in ["torch", "triton", "transformers", "peft", "liger-kernel", "unsloth"]},
         command="python " + " ".join(shlex.quote(a) for a in sys.argv),
-        # The device machine gets a copy of the tree without .git: the caller passes the commit.
-        git_commit=_git("rev-parse", "HEAD") or os.environ.get("BENCH_GIT_COMMIT"), git_dirty=_dirty(),
+        # A copy of the tree (on a GPU machine, say) may have no .git or a stale one: the caller can
+        # then name the commit in $BENCH_GIT_COMMIT.
+        git_commit=os.environ.get("BENCH_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        git_dirty=None if os.environ.get("BENCH_GIT_COMMIT") else _dirty(),
         settings=dict(warmup=args.warmup, steps=args.steps, seed=SEED, lr=LEARNING_RATE, optimizer="AdamW",
                       lora=dict(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS),
                       loracc_budget=args.loracc_budget),

@@ -175,10 +175,12 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
     for key, title in (("tokens_per_s", "tokens/s"), ("peak_memory_bytes", "peak memory (GB)")):
         fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(5.5 * max(len(groups), 1), 3.8), squeeze=False)
         for ax, ((workload, batch, seq), rows) in zip(axes[0], groups.items()):
-            ok = [r for r in rows if r["status"] == "ok" and r.get(key)]
             scale = 1e-9 if key == "peak_memory_bytes" else 1.0
-            ax.barh([r["method"] for r in ok], [r[key] * scale for r in ok],
-                    color=["tab:orange" if r["method"].startswith("loracc") else "tab:blue" for r in ok])
+            ax.barh([r["method"] for r in rows], [(r.get(key) or 0) * scale for r in rows],
+                    color=["tab:orange" if r["method"].startswith("loracc") else "tab:blue" for r in rows])
+            for i, r in enumerate(rows):
+                if r["status"] != "ok":  # a failed method stays visible, with what happened
+                    ax.text(0, i, f" {r['status']}", va="center", color="tab:red")
             ax.invert_yaxis()
             ax.set_title(f"{workload}, {batch}×{seq}")
             ax.set_xlabel(title)
@@ -226,12 +228,16 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
         "- step ms: median over the timed steps after warm-up (CUDA events); peak: torch.cuda.max_memory_allocated "
         "over the whole run; first step: wall clock of step 0 in a fresh process with empty compile caches (cold) "
         "and, where measured, in a second process on the caches the first left (warm)",
+        "- a failed row keeps its reason: **timeout** is the worker's --timeout or the end of the run's --deadline; "
+        "**oom** is out of GPU memory; **skipped** was not run",
         f"- parity: losses against {REFERENCE} on the same weights and batch (relative tolerance by dtype, "
         f"{TOLERANCE['bfloat16']:.0e} in bf16), and the loss must fall within {DROP_TOLERANCE:.0%} of eager's fall",
         "",
     ]
     for (workload, batch, seq), rows in _group(records, "main").items():
-        lines += [f"### {workload}, batch {batch} × seq {seq} ({batch * seq:,} tokens/step)", ""]
+        flops = rows[0].get("flops_per_token")
+        per_token = f", {flops / 1e9:.2f} GFLOP/token" if flops else ""
+        lines += [f"### {workload}, batch {batch} × seq {seq} ({batch * seq:,} tokens/step{per_token})", ""]
         lines += workload_table(rows)
         lines += [""] + [f"- {r['method']}: {_cell(r['notes'])}" for r in rows if r.get("notes")]
         summary = loracc_summary(rows)
