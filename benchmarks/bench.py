@@ -14,6 +14,10 @@ optimizer step). The losses of every step are recorded so that a fast but wrong 
 
 Results go to ``--out`` as JSON (one record per method and workload, plus the run's date, device,
 versions and command); ``benchmarks/report.py`` turns them into tables and plots.
+
+Environment: ``$UNSLOTH_SITE`` a folder of Unsloth and its dependencies, put on the path of the
+unsloth worker only; ``$BENCH_GIT_COMMIT`` the commit to record where the tree has no usable .git.
+Liger and Unsloth need a CUDA GPU; without one their rows say "skipped".
 """
 from __future__ import annotations
 
