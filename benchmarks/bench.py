@@ -395,7 +395,8 @@ def plan(args) -> list[tuple]:
         rows += [(m, workload, args.batch or spec["batch"], args.seq or spec["seq"], "main") for m in methods]
     if args.sweep:
         sweep_methods = args.method or ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth"]
-        rows += [(m, SWEEP_WORKLOAD, 1, s, "sweep") for s in SWEEP_SEQS for m in sweep_methods]
+        workload, seqs = ("tiny", [16, 32, 64]) if args.tiny else (SWEEP_WORKLOAD, SWEEP_SEQS)
+        rows += [(m, workload, 1, s, "sweep") for s in seqs for m in sweep_methods]
     return rows
 
 
