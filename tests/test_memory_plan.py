@@ -13,7 +13,7 @@ import torch.fx as fx
 
 import loracc
 from loracc import _compat, presets
-from loracc.graph import info, placeholders
+from loracc.graph import info, output_values, placeholders
 from loracc.passes import memory_plan
 from loracc.passes.memory_plan import ALIGNMENT, buffers, graph_memory, plan_offsets, value_bytes
 
@@ -88,7 +88,7 @@ def _assert_same(expected, got):
 
 
 def _plan_is_disjoint(gm):
-    found = [b for b in buffers(gm) if not b.is_output]
+    found = [b for b in buffers(list(gm.graph.nodes), output_values(gm)) if not b.is_output]
     offsets = [info(b.key[0])["arena_offset"] if b.key[1] is None else info(b.key[0])["arena_offset"][b.key[1]]
                for b in found]
     _assert_disjoint([b.nbytes for b in found], [(b.first, b.last) for b in found], offsets)

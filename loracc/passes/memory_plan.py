@@ -88,17 +88,18 @@ def value_bytes(val) -> int:
     return span * val.element_size()
 
 
-def buffers(gm: fx.GraphModule) -> list[Buffer]:
-    """Every buffer allocated by a node of ``gm``, with the span of nodes it is alive for."""
-    nodes = list(gm.graph.nodes)
+def buffers(nodes: list[fx.Node], outputs) -> list[Buffer]:
+    """Every buffer a node of the sequence ``nodes`` allocates, with the span of positions it is
+    alive for; a buffer that ``outputs`` (or a view of it) returns is alive to the end."""
     position = {n: i for i, n in enumerate(nodes)}
-    outputs = {storage_key(o) for o in output_values(gm) if isinstance(o, fx.Node)}
+    output_keys = {storage_key(o) for o in outputs if isinstance(o, fx.Node)}
     last: dict[tuple, int] = {}
     for node in nodes:
         if node.op in ("placeholder", "output"):
             continue
         key = storage_key(node)
-        last[key] = max(last.get(key, position[node]), max((position[u] for u in node.users), default=position[node]))
+        uses = [position[u] for u in node.users if u in position]
+        last[key] = max([last.get(key, position[node]), position[node], *uses])
     found = []
     for node in nodes:
         if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
@@ -109,8 +110,23 @@ def buffers(gm: fx.GraphModule) -> list[Buffer]:
             nbytes = value_bytes(v)
             key = (node, item)
             if nbytes and key in last:
-                found.append(Buffer(key, nbytes, position[node], last[key], key in outputs))
+                end = len(nodes) if key in output_keys else last[key]
+                found.append(Buffer(key, nbytes, position[node], end, key in output_keys))
     return found
+
+
+def peak_bytes(nodes: list[fx.Node], outputs) -> int:
+    """The most bytes the buffers of ``nodes`` hold at once, each from its node to its last use
+    (outputs: to the end)."""
+    delta = [0] * (len(nodes) + 2)
+    for b in buffers(nodes, outputs):
+        delta[b.first] += b.nbytes
+        delta[b.last + 1] -= b.nbytes
+    peak = held = 0
+    for step in delta:
+        held += step
+        peak = max(peak, held)
+    return peak
 
 
 def plan_offsets(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[int], int]:
@@ -140,24 +156,15 @@ def plan_offsets(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[i
 
 def graph_memory(gm: fx.GraphModule) -> dict:
     """The memory report of ``gm`` (see the module docstring) without annotating it."""
-    found = buffers(gm)
-    n = len(gm.graph.nodes)
-    delta = [0] * (n + 1)
-    for b in found:
-        delta[b.first] += b.nbytes
-        if not b.is_output:
-            delta[b.last + 1] -= b.nbytes
-    peak = held = 0
-    for step in delta:
-        held += step
-        peak = max(peak, held)
+    nodes, outputs = list(gm.graph.nodes), output_values(gm)
+    found = buffers(nodes, outputs)
     temps = [b for b in found if not b.is_output]
     _, arena = plan_offsets([b.nbytes for b in temps], [(b.first, b.last) for b in temps])
     return {
         "arena_bytes": arena,
-        "peak_bytes": peak,
+        "peak_bytes": peak_bytes(nodes, outputs),
         "output_bytes": sum(b.nbytes for b in found if b.is_output),
-        "saved_bytes": activation_bytes(n for n in gm.graph.nodes if "saved" in info(n) and n.op != "output"),
+        "saved_bytes": activation_bytes(n for n in nodes if "saved" in info(n) and n.op != "output"),
         "buffers": len(found),
     }
 
@@ -174,7 +181,7 @@ def activation_bytes(nodes) -> int:
 
 
 def memory_plan(gm: fx.GraphModule) -> PassResult:
-    found = [b for b in buffers(gm) if not b.is_output]
+    found = [b for b in buffers(list(gm.graph.nodes), output_values(gm)) if not b.is_output]
     offsets, _ = plan_offsets([b.nbytes for b in found], [(b.first, b.last) for b in found])
     for b, offset in zip(found, offsets):
         node, item = b.key

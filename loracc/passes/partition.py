@@ -73,18 +73,14 @@ def split(joint: fx.GraphModule, n_outputs: int, saved) -> Partitioned:
     saved = [n for n in nodes if n in saved_set]
     out_args = output_node(joint).args[0]
     fw_outs, grads = list(out_args[:n_outputs]), list(out_args[n_outputs:])
-    primals = [n for n in placeholders(joint) if info(n).get("role") != "tangent"]
     tangents = [n for n in placeholders(joint) if info(n).get("role") == "tangent"]
 
-    roots = [o for o in fw_outs if isinstance(o, fx.Node)] + saved + [n for n in nodes if runs_in_forward_only(n)]
-    forward = _ancestors(roots) | set(primals)
     backward = backward_nodes(joint, n_outputs, saved_set)
 
     fwd_graph = fx.Graph()
     env = {}
-    for n in nodes:
-        if n in forward:
-            env[n] = _copy(fwd_graph, n, env)
+    for n in forward_nodes(joint, n_outputs, saved_set):
+        env[n] = _copy(fwd_graph, n, env)
     fwd_graph.output([env[o] if isinstance(o, fx.Node) else o for o in fw_outs] + [env[s] for s in saved])
 
     bwd_graph = fx.Graph()
@@ -105,6 +101,15 @@ def split(joint: fx.GraphModule, n_outputs: int, saved) -> Partitioned:
         gm.graph.lint()
     recomputed = [n.name for n in backward if info(n).get("phase") == "forward"]
     return Partitioned(fwd_gm, bwd_gm, [s.name for s in saved], activation_bytes(saved), recomputed)
+
+
+def forward_nodes(joint: fx.GraphModule, n_outputs: int, saved: set) -> list[fx.Node]:
+    """The nodes the forward runs when it saves ``saved``, in the joint's order: the primals and
+    what the outputs, the saved values and the random and in-place ops need."""
+    outputs = [o for o in output_node(joint).args[0][:n_outputs] if isinstance(o, fx.Node)]
+    roots = outputs + list(saved) + [n for n in joint.graph.nodes if runs_in_forward_only(n)]
+    needed = _ancestors(roots)
+    return [n for n in joint.graph.nodes if n in needed or (n.op == "placeholder" and info(n).get("role") != "tangent")]
 
 
 def backward_nodes(joint: fx.GraphModule, n_outputs: int, saved: set) -> list[fx.Node]:

@@ -36,8 +36,8 @@ import torch.fx as fx
 from ..errors import LoraccError, Unsupported
 from ..graph import info, output_node, placeholders, role
 from . import PassResult
-from .memory_plan import PARAMETER_ROLES, activation_bytes, aliased_input, graph_memory, is_mutation, storage_key, value_bytes
-from .partition import backward_nodes, is_random, split
+from .memory_plan import PARAMETER_ROLES, activation_bytes, aliased_input, is_mutation, peak_bytes, storage_key, value_bytes
+from .partition import backward_nodes, forward_nodes, is_random
 
 aten = torch.ops.aten
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.convolution, torch.ops.loracc.lora_linear}
@@ -126,7 +126,7 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
     """
     start = time.perf_counter()
     budget = parse_budget(budget)
-    problem = _Cut(joint, n_outputs)
+    problem = Cut(joint, n_outputs)
     fastest = problem.plan(FASTEST)
     report = {"budget": str(budget), "fastest plan saved bytes": fastest.saved_bytes}
     if budget.fraction is not None:
@@ -173,34 +173,28 @@ class Plan:
     peak_bytes: dict = field(default_factory=dict)  # region peak by number of repeats, once computed
 
 
-class _Cut:
+class Cut:
     """The save-or-recompute cut of one joint graph, solvable at any price."""
 
     def __init__(self, joint: fx.GraphModule, n_outputs: int):
         self.joint, self.n_outputs = joint, n_outputs
         self.nodes = [n for n in joint.graph.nodes if n.op != "output"]
         self.backward = {n for n in self.nodes if info(n).get("phase") == "backward"}
+        self.forward = [n for n in self.nodes if n not in self.backward]
         self.grads = [g for g in output_node(joint).args[0][n_outputs:] if isinstance(g, fx.Node)]
         self.fixed = _never_recomputed(self.nodes)
+        self.save_bytes = {n: _save_bytes(n) for n in self.forward}
         self.tie_scale = 2 * len(self.nodes) + 1  # a byte outweighs every tie-breaking unit together
         # GEMMs with equal bytes per FLOP (q, k, v, gate, up) would all flip at one price; costs spread
         # by up to 1/8 in graph order make them flip one at a time, so a budget can stop between them.
-        ranked = [n for n in self.nodes if n not in self.backward and self.expensive(n)]
-        self.rank = {n: i for i, n in enumerate(ranked)}
-        self.spread = 8 * max(1, len(ranked))
+        costly = [n for n in self.forward if _is_expensive(n)]
+        self.spread = 8 * max(1, len(costly))
+        self.cost = {n: _flops(n) * (self.spread + i) for i, n in enumerate(costly)}
         self.plans: dict = {}
         self.solved = 0
 
     def expensive(self, node: fx.Node) -> bool:
-        """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight)."""
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            return False
-        packet = node.target.overloadpacket
-        if packet in ATTENTION or packet is torch.ops.loracc.lora_linear:
-            return True
-        return packet in GEMMS and not any(
-            role(storage_key(a)[0]) in ("lora_A", "lora_B") for a in node.all_input_nodes
-        )
+        return node in self.cost
 
     def plan(self, price) -> Plan:
         if price not in self.plans:
@@ -233,13 +227,14 @@ class _Cut:
         return self.plan(low)
 
     def peak(self, plan: Plan, repeats: int) -> int:
+        """``region_peak_bytes`` of ``plan``: the liveness of the nodes each graph would run."""
         if repeats not in plan.peak_bytes:
-            parts = split(self.joint, self.n_outputs, plan.saved)
+            saved = set(plan.saved)
+            outputs = list(output_node(self.joint).args[0])
+            forward = peak_bytes(forward_nodes(self.joint, self.n_outputs, saved), outputs[: self.n_outputs] + plan.saved)
+            backward = peak_bytes(backward_nodes(self.joint, self.n_outputs, saved), outputs[self.n_outputs:])
             tangents = sum(value_bytes(t.meta.get("val")) for t in placeholders(self.joint) if role(t) == "tangent")
-            fwd, bwd = graph_memory(parts.forward), graph_memory(parts.backward)
-            plan.peak_bytes[repeats] = region_peak_bytes(
-                repeats, plan.saved_bytes, fwd["peak_bytes"], bwd["peak_bytes"], tangents
-            )
+            plan.peak_bytes[repeats] = region_peak_bytes(repeats, plan.saved_bytes, forward, backward, tangents)
         return plan.peak_bytes[repeats]
 
     def mark(self, plan: Plan) -> None:
@@ -259,16 +254,13 @@ class _Cut:
         unit = den * self.spread
         graph = nx.DiGraph()
         graph.add_nodes_from([SOURCE, SINK])
-        for n in self.nodes:
-            if n in self.backward:
-                continue
-            save = self._save_bytes(n)
+        for n in self.forward:
+            save = self.save_bytes[n]
             graph.add_edge((n, "in"), (n, "out"), **({} if save is None else {"capacity": unit * self.tie_scale * save}))
-            if n in self.fixed or (price is FASTEST and self.expensive(n)):
+            if n in self.fixed or (price is FASTEST and n in self.cost):
                 graph.add_edge(SOURCE, (n, "in"))
-            elif self.expensive(n):
-                flops = _flops(n) * (self.spread + self.rank[n])
-                graph.add_edge(SOURCE, (n, "in"), capacity=2 * unit + num * self.tie_scale * flops)
+            elif n in self.cost:
+                graph.add_edge(SOURCE, (n, "in"), capacity=2 * unit + num * self.tie_scale * self.cost[n])
             else:
                 graph.add_edge(SOURCE, (n, "in"), capacity=unit)
             for user in n.users:
@@ -285,15 +277,24 @@ class _Cut:
         self.solved += 1
         return [n for n in self.nodes if (n, "in") in reachable and (n, "out") not in reachable]
 
-    @staticmethod
-    def _save_bytes(node: fx.Node) -> int | None:
-        """What saving ``node`` costs: None (impossible) for views, tuples and non-tensors."""
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or (aliased_input(node) is not None and not is_mutation(node)):
-            return None
-        if node.op == "placeholder" and role(node) in PARAMETER_ROLES:
-            return 0
-        return value_bytes(val)
+def _save_bytes(node: fx.Node) -> int | None:
+    """What saving ``node`` costs: None (impossible) for views, tuples and non-tensors."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or (aliased_input(node) is not None and not is_mutation(node)):
+        return None
+    if node.op == "placeholder" and role(node) in PARAMETER_ROLES:
+        return 0
+    return value_bytes(val)
+
+
+def _is_expensive(node: fx.Node) -> bool:
+    """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    packet = node.target.overloadpacket
+    if packet in ATTENTION or packet is torch.ops.loracc.lora_linear:
+        return True
+    return packet in GEMMS and not any(role(storage_key(a)[0]) in ("lora_A", "lora_B") for a in node.all_input_nodes)
 
 
 def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
