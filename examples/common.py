@@ -25,14 +25,14 @@ def peak_memory(device: torch.device) -> str:
 
 
 class TrainingMeter:
-    """A progress bar over the training steps, and a summary: tokens/s, peak memory, loss.
+    """A progress bar over the training steps, and a summary: tokens/s (or another ``unit``), peak memory, loss.
 
     Call ``step(loss, tokens)`` after each optimizer step and ``summary()`` at the end. Tokens/s
     covers the whole run, first steps (and loracc's compilation) included.
     """
 
-    def __init__(self, total_steps: int, device: torch.device, description: str = "training"):
-        self.device, self.tokens, self.positions, self.losses = device, 0, 0, []
+    def __init__(self, total_steps: int, device: torch.device, description: str = "training", unit: str = "tokens"):
+        self.device, self.unit, self.tokens, self.positions, self.losses = device, unit, 0, 0, []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.bar = tqdm(total=total_steps, desc=description, unit="step", file=sys.stdout, dynamic_ncols=True)
@@ -54,7 +54,7 @@ class TrainingMeter:
         tail = self.losses[-10:]
         return "\n".join([
             f"steps: {len(self.losses)} in {seconds:.1f} s",
-            f"tokens/s: {self.tokens / seconds:,.0f} ({self.tokens:,} tokens"
+            f"{self.unit}/s: {self.tokens / seconds:,.0f} ({self.tokens:,} {self.unit}"
             + (f"; {self.positions / seconds:,.0f}/s counting padding)" if self.positions != self.tokens else ")"),
             f"peak memory: {peak_memory(self.device)}",
             f"loss: first {self.losses[0]:.4f}, last {self.losses[-1]:.4f} (mean of last {len(tail)}: {sum(tail) / len(tail):.4f})",
