@@ -65,15 +65,16 @@ METHODS = {
     "peft-liger": "PEFT + Liger kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)",
     "peft-compile": "PEFT + torch.compile of the whole model",
     "peft-compile-layer": "PEFT + torch.compile of each decoder layer",
+    "peft-compile-budget": "PEFT + torch.compile of the whole model, activation_memory_budget 0.1",
     "unsloth": "Unsloth FastLanguageModel, bf16 LoRA, its default 'unsloth' checkpointing",
     "loracc": "loracc.compile, default plan",
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget)",
 }
 NEEDS_CUDA = {"peft-liger", "unsloth"}
 QUICK_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
-FULL_METHODS = QUICK_METHODS[:-1] + ["unsloth", "peft-compile", "peft-compile-layer"]
+FULL_METHODS = QUICK_METHODS[:-1] + ["unsloth", "peft-compile", "peft-compile-layer", "peft-compile-budget"]
 # Methods whose first step compiles; for them a second process measures the first step warm.
-COMPILING = {"peft-compile", "peft-compile-layer", "loracc", "loracc-budget", "peft-liger", "unsloth"}
+COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "peft-liger", "unsloth"}
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_WORKLOAD, SWEEP_SEQS = "qwen2-0.5b", [512, 1024, 2048, 4096, 8192]
 
@@ -132,6 +133,11 @@ def build_model(workload: str, method: str, device):
     model.train()
     if method == "peft-compile":
         return torch.compile(model), model, ""
+    if method == "peft-compile-budget":
+        from loracc import _compat
+
+        _compat.set_activation_memory_budget(0.1)
+        return torch.compile(model), model, "activation_memory_budget=0.1"
     if method == "peft-compile-layer":
         for layer in model.get_base_model().model.layers:
             layer.compile()

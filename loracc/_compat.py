@@ -49,3 +49,10 @@ def rename_node(node: torch.fx.Node, name: str) -> None:
     node._rename(name)
     if node.op == "placeholder":
         node.target = node.name
+
+
+def set_activation_memory_budget(value: float) -> None:
+    """torch.compile's own budgeted min-cut (0..1), the peer ``benchmarks/bench.py`` compares with."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = value

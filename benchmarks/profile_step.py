@@ -1,0 +1,82 @@
+"""Where a training step's time goes: torch.profiler over a few steps of each method, on the GPU.
+
+    python benchmarks/profile_step.py --workload qwen2-0.5b --method peft-eager --method loracc
+
+Prints, per method, the step's wall time, the GPU's busy time, and the kernels and CPU-side ops
+that take the most time; writes the full tables (and a Chrome trace with --trace) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+
+def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: str | None, trace: bool) -> str:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    model, peft_model, _ = bench.build_model(workload, method.split(":")[0], "cuda")
+    if method.startswith("loracc"):
+        import loracc
+
+        loracc.compile(peft_model, backend=method.split(":")[1] if ":" in method else "auto")
+    vocab = bench.WORKLOADS[workload]["config"]["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).cuda()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    lines = [f"## {method} on {workload} {batch}x{seq}: wall {wall_ms:.1f} ms/step, GPU busy {gpu_ms:.1f} ms/step"]
+    lines.append(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    lines.append(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    text = "\n".join(lines)
+    if out:
+        name = method.replace(":", "-")
+        with open(os.path.join(out, f"profile-{name}.txt"), "w") as f:
+            f.write(text)
+        if trace:
+            prof.export_chrome_trace(os.path.join(out, f"trace-{name}.json"))
+    del model, peft_model, optimizer
+    torch.cuda.empty_cache()
+    return lines[0]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", default="qwen2-0.5b", choices=sorted(bench.WORKLOADS))
+    parser.add_argument("--method", action="append", default=None,
+                        help="peft-eager, loracc, loracc:eager, loracc:triton (repeatable)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", action="store_true")
+    args = parser.parse_args()
+    summary = []
+    for method in args.method or ["peft-eager", "loracc"]:
+        summary.append(profile(method, args.workload, args.batch, args.seq, args.steps, args.out, args.trace))
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
