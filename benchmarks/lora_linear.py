@@ -50,11 +50,13 @@ def rel_err(a, b) -> float:
 def forced(choice: str):
     """Run the fused ops with one named candidate instead of the autotuner's pick."""
     real = autotune.choose
-    autotune.choose = lambda description, candidates, device: choice
+    autotune.choose = lambda description, candidates, device: choice if choice in candidates else real(description, candidates, device)
+    lora_linear.forget_plans()
     try:
         yield
     finally:
         autotune.choose = real
+        lora_linear.forget_plans()
 
 
 def make_layer(tokens, in_f, out_f, rank, dtype, adapter_dtype, device="cuda"):
@@ -88,7 +90,9 @@ def reference_step(layer):
 def check_candidates(layer) -> dict:
     """Relative error of each candidate (forward and input-gradient GEMMs) against the fp32 reference."""
     expected = reference_step(layer)
-    names = [f"triton {c}" for c in lora_linear._configs(layer["lora_a"].shape[0])] + ["cublas"]
+    from loracc.codegen.lora_gemm import GPU_CONFIGS
+
+    names = [f"triton {c}" for c in GPU_CONFIGS] + ["cublas", "cublas lora-first", "cublas transposed"]
     errors = {}
     for name in names:
         with forced(name):
@@ -133,16 +137,48 @@ def run_shape(tokens, in_f, out_f, rank, adapter_dtype) -> dict:
     b = layer["lora_b"].clone().requires_grad_(True)
     row["peft_ms"] = bench(lambda: peft_step(layer, x, a, b), grad_to_none=[x, a, b])
     row["loracc_ms"] = bench(lambda: loracc_step(layer))
+    row["loracc_backward_ms"] = bench(lambda: lora_linear.lora_linear_backward(
+        layer["grad_y"], layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], SCALE, True, True, False, False))
+    row["cpu_ms_per_loracc_step"] = cpu_time(lambda: loracc_step(layer))
+    row["graphed_frozen_ms"], row["graphed_loracc_ms"] = graphed(lambda: frozen_step(layer)), graphed(lambda: loracc_step(layer))
     row["loracc_forward_ms"] = bench(lambda: lora_linear.lora_linear(layer["x"], layer["weight"], None, layer["lora_a"], layer["lora_b"], SCALE, None))
     row["frozen_forward_ms"] = bench(lambda: layer["x"] @ layer["weight"].t())
     return row
+
+
+def cpu_time(fn, steps: int = 20) -> float:
+    """Host milliseconds per call while the GPU queue absorbs the launches: above the GPU time, the step is CPU-bound."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / steps * 1e3
+
+
+def graphed(fn) -> float | str:
+    """Median milliseconds of ``fn`` replayed as a CUDA graph (no launch overhead), or why it could not be captured."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return bench(graph.replay)
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        return f"failed: {type(exc).__name__}: {exc}"[:200]
 
 
 def _kernel_names(in_f, out_f, rank):
     from loracc.codegen.lora_gemm import LoraGemm
 
     return {LoraGemm("forward", in_f, out_f, rank, torch.bfloat16).name,
-            LoraGemm("grad_input", in_f, out_f, rank, torch.bfloat16).name}
+            LoraGemm("grad_input", in_f, out_f, rank, torch.bfloat16).name, f"grad_adapters_{in_f}x{out_f}_r{rank}"}
 
 
 def warm_first_call(tokens, in_f, out_f, rank) -> float:
@@ -173,17 +209,27 @@ def environment() -> dict:
 
 
 def table(rows) -> str:
-    lines = ["| in → out | frozen ms | PEFT-style ms | loracc ms | PEFT / frozen | loracc / frozen | fwd / frozen fwd | forward, grad-input choice | max rel err |",
+    lines = ["| in → out | frozen ms | PEFT-style ms | loracc ms | PEFT / frozen | loracc / frozen | fwd / frozen fwd | chosen: forward; grad input; adapter grads | max rel err |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['in']} → {r['out']} | {r['frozen_ms']:.3f} | {r['peft_ms']:.3f} | {r['loracc_ms']:.3f} | "
             f"{r['peft_ms'] / r['frozen_ms']:.2f}× | {r['loracc_ms'] / r['frozen_ms']:.2f}× | "
             f"{r['loracc_forward_ms'] / r['frozen_forward_ms']:.2f}× | "
-            f"{r['choices'].get('lora_linear', '?')}, {r['choices'].get('lora_linear_backward', '?')} | {max(r['errors']):.1e} |"
+            f"{r['choices'].get('lora_linear', '?')}; {r['choices'].get('lora_linear_backward', '?')}; "
+            f"{r['choices'].get('lora_linear_grad_adapters', '?')} | {max(r['errors']):.1e} |"
         )
-    geo = lambda key: math.exp(sum(math.log(r[key] / r["frozen_ms"]) for r in rows) / len(rows))  # noqa: E731
+    geo = lambda key, base="frozen_ms": math.exp(sum(math.log(r[key] / r[base]) for r in rows) / len(rows))  # noqa: E731
     lines.append(f"\ngeometric mean over the shapes: loracc / frozen = {geo('loracc_ms'):.3f}×, PEFT-style / frozen = {geo('peft_ms'):.3f}×")
+    lines.append("\n| in → out | loracc fwd / frozen fwd | loracc bwd ms | host ms per loracc step | CUDA graph: frozen ms | loracc ms | loracc / frozen |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        gf, gl = r["graphed_frozen_ms"], r["graphed_loracc_ms"]
+        ratio = f"{gl / gf:.2f}×" if isinstance(gf, float) and isinstance(gl, float) else "-"
+        lines.append(f"| {r['in']} → {r['out']} | {r['loracc_forward_ms']:.3f} / {r['frozen_forward_ms']:.3f} | {r['loracc_backward_ms']:.3f} | "
+                     f"{r['cpu_ms_per_loracc_step']:.3f} | {gf if isinstance(gf, str) else f'{gf:.3f}'} | {gl if isinstance(gl, str) else f'{gl:.3f}'} | {ratio} |")
+    if all(isinstance(r["graphed_loracc_ms"], float) and isinstance(r["graphed_frozen_ms"], float) for r in rows):
+        lines.append(f"\ngeometric mean under CUDA graphs: loracc / frozen = {geo('graphed_loracc_ms', 'graphed_frozen_ms'):.3f}×")
     return "\n".join(lines)
 
 

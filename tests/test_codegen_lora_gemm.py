@@ -83,16 +83,17 @@ def test_grad_input_kernel(dtype, config, lora_out, rank):
 
 @pytest.fixture
 def force_choice(monkeypatch):
-    """Make the autotuner pick the named candidate, so each implementation is checked on its own."""
+    """Make the autotuner pick, at each step, the first of the given candidates that the step has."""
 
-    def force(name):
+    def force(*names):
         def choose(description, candidates, device):
-            assert name in candidates, (name, list(candidates))
-            return name
+            return next(n for n in names if n in candidates)
 
         monkeypatch.setattr(autotune, "choose", choose)
+        lora_linear.forget_plans()
 
-    return force
+    yield force
+    lora_linear.forget_plans()
 
 
 def _layer(dtype, adapter_dtype, rank, has_bias, lead=(T,)):
@@ -104,14 +105,13 @@ def _layer(dtype, adapter_dtype, rank, has_bias, lead=(T,)):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidate", ["triton", "cublas"])
+@pytest.mark.parametrize("candidate", [TRITON, "cublas", "cublas lora-first"])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bias):
-    rank = 4
-    layer = _layer(dtype, torch.float32, rank, has_bias, lead=(3, 13))
+    layer = _layer(dtype, torch.float32, 4, has_bias, lead=(3, 13))
     lora_x = torch.nn.functional.dropout(layer["x"], 0.3) if dropout else None
-    force_choice(TRITON if candidate == "triton" else "cublas")
+    force_choice(candidate)
     y = lora_linear.lora_linear(**layer, lora_x=lora_x)
     expected = reference_forward(**layer, lora_x=lora_x)
     assert y.shape == expected.shape and y.dtype == expected.dtype
@@ -119,19 +119,18 @@ def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bia
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidate", ["triton", "cublas"])
+@pytest.mark.parametrize("candidates", [(TRITON, "cublas"), ("cublas", "cublas transposed"), ("cublas lora-first",)], ids=str)
 @pytest.mark.parametrize(
     "lora_in_is_x,need_grad_x,need_grad_lora_in",
     [(True, True, False), (False, True, True), (True, False, False), (False, True, False), (False, False, True)],
 )
-def test_lora_linear_backward_op(force_choice, dtype, candidate, lora_in_is_x, need_grad_x, need_grad_lora_in):
-    rank = 4
-    layer = _layer(dtype, torch.float32, rank, False, lead=(3, 13))
+def test_lora_linear_backward_op(force_choice, dtype, candidates, lora_in_is_x, need_grad_x, need_grad_lora_in):
+    layer = _layer(dtype, torch.float32, 4, False, lead=(3, 13))
     lora_in = layer["x"] if lora_in_is_x else torch.nn.functional.dropout(layer["x"], 0.3)
     grad_y = randn(3, 13, OUT, dtype=dtype)
     args = (grad_y, lora_in, layer["weight"], layer["lora_a"], layer["lora_b"], layer["scale"],
             lora_in_is_x, need_grad_x, need_grad_lora_in, True)
-    force_choice(TRITON if candidate == "triton" else "cublas")
+    force_choice(*candidates, "cublas")
     got = lora_linear.lora_linear_backward(*args)
     expected = reference_backward(*args)
     for name, g, e in zip(("grad_x", "grad_lora_in", "grad_a", "grad_b", "grad_bias"), got, expected):

@@ -11,6 +11,7 @@ kernel; ``M`` stays a run-time argument so that sequence lengths do not each com
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,8 @@ class Config:
 # wide (few programs, most reuse) to narrow (more programs, for small N).
 GPU_CONFIGS = (
     Config(128, 256, 64, 8, 8, 3),
+    Config(128, 256, 64, 8, 8, 4),
+    Config(256, 128, 64, 8, 8, 3),
     Config(128, 128, 64, 8, 8, 4),
     Config(128, 128, 64, 8, 4, 4),
     Config(64, 128, 64, 8, 4, 4),
@@ -135,20 +138,20 @@ class LoraGemm:
         return render("lora_gemm.py.jinja", **self.variables())
 
     def kernel(self, device: torch.device):
-        return cache.load_kernel(self.name, self.source(), device)
+        return _kernel(self, device)
 
     def launch(self, config: Config, *, a: Tensor, weight: Tensor, p: Tensor, q: Tensor, scale: float,
                out: Tensor, bias: Tensor | None = None, u: Tensor | None = None, lora_out: Tensor | None = None):
-        """Run the kernel: ``a`` is ``[M, K]`` with unit column stride; ``weight``, ``p``, ``q`` contiguous.
+        """Run the kernel: ``a`` is ``[M, K]`` with unit column stride; ``weight``, ``p``, ``q`` any layout.
 
         ``p`` is the LoRA weight of the main loop (A forward, B backward), ``q`` the one of the
         epilogue; ``u`` is read (``lora_in="loaded"``) or written (``grad_input``); outputs are
         contiguous and written in full.
         """
         m = a.shape[0]
-        args = dict(a_ptr=a, w_ptr=weight, q_ptr=q, out_ptr=out, M=m, stride_am=a.stride(0), scale=float(scale))
+        args = dict(a_ptr=a, w_ptr=weight.contiguous(), q_ptr=q.contiguous(), out_ptr=out, M=m, stride_am=a.stride(0), scale=float(scale))
         if self.lora_in == "fused":
-            args["p_ptr"] = p
+            args["p_ptr"] = p.contiguous()
         if self.has_bias:
             args["bias_ptr"] = bias
         if self.lora_in == "loaded" or self.use == "grad_input":
@@ -161,6 +164,12 @@ class LoraGemm:
             **args, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
         )
+
+
+@functools.cache
+def _kernel(gemm: LoraGemm, device: torch.device):
+    """The compiled-on-first-launch kernel of ``gemm``: rendered, cached on disk and imported once per process."""
+    return cache.load_kernel(gemm.name, gemm.source(), device)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -3,23 +3,26 @@
 They take the ops' arguments and return what the ops' reference implementations return (see
 ``loracc/ops.py``); the Triton backend puts them in place of the ops in a compiled graph.
 
-Forward: ``y = x@Wᵀ (+ bias) + s·(u@Bᵀ)`` as one GEMM (``lora_gemm``) whose main loop also
-computes ``u = x@Aᵀ`` (no second pass over ``x``); with dropout, ``u = drop(x)@Aᵀ`` is computed
-first and read by the epilogue.
+Forward, ``y = x@Wᵀ (+ bias) + s·(u@Bᵀ)``: the ``lora_gemm`` template does it in one GEMM whose
+main loop also computes ``u = x@Aᵀ`` (no second pass over ``x``); with dropout, ``u = drop(x)@Aᵀ``
+is computed first and read by the epilogue. The cuBLAS candidates run the frozen GEMM and add the
+rank-r term into its output, before or after it.
 
-Backward: ``dX = dY@W + dU@A`` as one GEMM whose main loop computes ``dU = s·dY@B`` (no extra pass
-over ``dY``) and writes it out; then ``u = lora_in@Aᵀ`` (recomputed, rank r), ``dA = dUᵀ@lora_in``
-and ``dB = s·dYᵀ@u``: rank-r GEMMs on cuBLAS that materialize nothing of size ``T × out``.
+Backward, ``dX = dY@W + dU@A`` with ``dU = s·dY@B``: the template computes ``dU`` in its main loop
+(no extra pass over ``dY``) and writes it out; the cuBLAS candidates compute ``dU`` first. Then the
+adapter gradients ``dA = dUᵀ@lora_in`` and ``dB = s·dYᵀ@u`` with ``u = lora_in@Aᵀ`` recomputed
+(only ``lora_in`` is saved): rank-r GEMMs that materialize nothing of size ``T × out``.
 
-Each of the two big GEMMs also has a cuBLAS candidate (the frozen GEMM plus a rank-r GEMM added
-into its output); the autotuner keeps whichever is faster at the shape. Multiplications run in the
-base dtype (bf16/fp16/fp32) with fp32 accumulation; fp32 adapters next to a bf16 base are used in
-bf16 for the products and receive fp32 gradients.
+Each step has candidates and the autotuner keeps the fastest at the shape (see ``autotune``). The
+choice for a call signature (shapes, dtypes, flags) is kept in ``_plans``, so a step costs one dict
+lookup before its kernels launch. Products run in the base dtype (bf16/fp16/fp32) with fp32
+accumulation; fp32 adapters next to a bf16 base are used in bf16 and receive fp32 gradients.
 """
 from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -28,6 +31,13 @@ from . import autotune
 from .lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
 
 Tensor = torch.Tensor
+
+_plans: dict[tuple, Callable] = {}
+
+
+def forget_plans() -> None:
+    """Drop every plan, so the next calls ask the autotuner again (tests force candidates this way)."""
+    _plans.clear()
 
 
 def interpreting() -> bool:
@@ -54,10 +64,8 @@ def _rows(t: Tensor, features: int) -> Tensor:
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
-def _configs(rank: int):
-    if rank > MAX_RANK:
-        return ()
-    return INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
+def _key(step: str, *tensors, flags=()) -> tuple:
+    return (step, flags, *((None,) if t is None else (t.shape, t.dtype, t.device) for t in tensors))
 
 
 def _bucket(rows: int) -> int:
@@ -65,93 +73,149 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple, adapter_dtype) -> Callable:
+    """The implementation to run for ``key``: the autotuner's pick among ``impls`` on ``args``."""
+    impl = _plans.get(key)
+    if impl is None:
+        description = {"op": key[0], "kernel": kernel_name, "adapter_dtype": str(adapter_dtype), "rows": _bucket(args[0].shape[0])}
+        thunks = {name: functools.partial(fn, *args) for name, fn in impls.items()}
+        impl = _plans[key] = impls[autotune.choose(description, thunks, args[0].device)]
+    return impl
+
+
+def _template_impls(gemm: LoraGemm, run) -> dict[str, Callable]:
+    configs = () if gemm.rank > MAX_RANK else INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
+    return {f"triton {c}": functools.partial(run, gemm, c) for c in configs}
+
+
+# Forward --------------------------------------------------------------------------------------
+
+
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                 scale: float, lora_x: Tensor | None) -> Tensor:
     out_features, in_features = weight.shape
-    rank = lora_a.shape[0]
     x2 = _rows(x, in_features)
     lin2 = None if lora_x is None else _rows(lora_x, in_features)
-    weight = weight.contiguous()
-    gemm = LoraGemm("forward", in_features, out_features, rank, x.dtype, has_bias=bias is not None,
-                    lora_in="fused" if lora_x is None else "loaded")
-    a_c, b_c = lora_a.to(x.dtype), lora_b.to(x.dtype)
+    args = (x2, lin2, weight, bias, lora_a, lora_b, scale)
+    key = _key("lora_linear", x2, lin2, weight, bias, lora_a, lora_b)
+    impl = _plans.get(key)
+    if impl is None:
+        gemm = LoraGemm("forward", in_features, out_features, lora_a.shape[0], x.dtype, has_bias=bias is not None,
+                        lora_in="fused" if lora_x is None else "loaded")
+        impls = {**_template_impls(gemm, _forward_template), "cublas": _forward_cublas,
+                 "cublas lora-first": _forward_cublas_lora_first}
+        impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
+    return impl(*args).reshape(*x.shape[:-1], out_features)
 
-    def fused(config):
-        y = x2.new_empty(x2.shape[0], out_features)
-        u = None if lin2 is None else lin2 @ a_c.t()
-        gemm.launch(config, a=x2, weight=weight, p=lora_a.contiguous(), q=lora_b.contiguous(), scale=scale,
-                    out=y, bias=bias, u=u)
-        return y
 
-    def cublas():
-        u = ((x2 if lin2 is None else lin2) @ a_c.t()).mul_(scale)
-        y = torch.mm(u, b_c.t()) if bias is None else torch.addmm(bias, u, b_c.t())
-        return y.addmm_(x2, weight.t())
+def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
+    y = x2.new_empty(x2.shape[0], gemm.out_features)
+    u = None if lin2 is None else torch.mm(lin2, lora_a.to(lin2.dtype).t())
+    gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=u)
+    return y
 
-    candidates = {f"triton {c}": functools.partial(fused, c) for c in _configs(rank)}
-    candidates["cublas"] = cublas
-    description = {"op": "lora_linear", "kernel": gemm.name, "adapter_dtype": str(lora_a.dtype), "rows": _bucket(x2.shape[0])}
-    y = candidates[autotune.choose(description, candidates, x.device)]()
-    return y.reshape(*x.shape[:-1], out_features)
+
+def _forward_cublas(x2, lin2, weight, bias, lora_a, lora_b, scale):
+    """The frozen GEMM, then the rank-r term added into its output."""
+    u = torch.mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t())
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    return y.addmm_(u, lora_b.to(x2.dtype).t(), alpha=scale)
+
+
+def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale):
+    """The rank-r term (+ bias) first, then the frozen GEMM accumulating into it."""
+    u = torch.mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t()).mul_(scale)
+    y = torch.mm(u, lora_b.to(x2.dtype).t()) if bias is None else torch.addmm(bias, u, lora_b.to(x2.dtype).t())
+    return y.addmm_(x2, weight.t())
+
+
+# Backward -------------------------------------------------------------------------------------
 
 
 def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
                          scale: float, lora_in_is_x: bool, need_grad_x: bool, need_grad_lora_in: bool,
                          need_grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out_features, in_features = weight.shape
-    rank = lora_a.shape[0]
-    dtype = grad_y.dtype
     gy2 = _rows(grad_y, out_features)
     lin2 = _rows(lora_in, in_features)
-    a_c, b_c = lora_a.to(dtype), lora_b.to(dtype)
-    grad_u, grad_x, grad_lin = _grad_input(gy2, weight.contiguous(), lora_a, lora_b, a_c, b_c, scale, lora_in_is_x,
-                                           need_grad_x, need_grad_lora_in and not lora_in_is_x)
-    u = lin2 @ a_c.t()
-    grad_a = (grad_u.to(dtype).t() @ lin2).to(lora_a.dtype)
-    grad_b = (gy2.t() @ u).mul_(scale).to(lora_b.dtype)
+    flags = (lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x)
+    grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, scale, flags)
+    args = (gy2, lin2, grad_u, lora_a, lora_b, scale)
+    key = _key("lora_linear_grad_adapters", *args[:-1])
+    impl = _plans.get(key) or _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}",
+                                    ADAPTER_GRADS, args, lora_a.dtype)
+    grad_a, grad_b = impl(*args)
     lead = grad_y.shape[:-1]
     return (
         or_empty(None if grad_x is None else grad_x.reshape(*lead, in_features), grad_y),
         or_empty(None if grad_lin is None else grad_lin.reshape(lora_in.shape), grad_y),
-        grad_a,
-        grad_b,
+        grad_a.to(lora_a.dtype),
+        grad_b.to(lora_b.dtype),
         or_empty(gy2.sum(0) if need_grad_bias else None, grad_y),
     )
 
 
-def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, lora_in_is_x, need_grad_x, need_grad_lin):
+def _grad_input(gy2, weight, lora_a, lora_b, scale, flags):
     """``(dU, dX, dX')``: dU = s·dY@B; dX = dY@W (+ dU@A when the LoRA branch reads x itself); dX' = dU@A.
 
-    The fused GEMM covers the two cases of training (the branch reads x, or a dropped-out x whose
-    gradient is needed too); anything else (no input gradient at all, in the first layer) is cuBLAS.
+    The template covers the two cases of training (the branch reads x, or a dropped-out x whose
+    gradient is needed too); the others (no input gradient at all, in a first layer) are cuBLAS.
     """
+    lora_in_is_x, need_grad_x, need_grad_lin = flags
+    args = (gy2, weight, lora_a, lora_b, scale)
+    key = _key("lora_linear_backward", *args[:-1], flags=flags)
+    impl = _plans.get(key)
+    if impl is None:
+        impls = {"cublas": functools.partial(_grad_input_cublas, flags, False),
+                 "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
+        if need_grad_x and (lora_in_is_x or need_grad_lin):
+            out_features, in_features = weight.shape
+            gemm = LoraGemm("grad_input", in_features, out_features, lora_a.shape[0], gy2.dtype,
+                            lora_out="add" if lora_in_is_x else "separate")
+            impls = {**_template_impls(gemm, _grad_input_template), **impls}
+            name = gemm.name
+        else:
+            name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{flags}"
+        impl = _plan(key, name, impls, args, lora_a.dtype)
+    return impl(*args)
+
+
+def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, scale):
     rows = gy2.shape[0]
-    out_features, in_features = weight.shape
+    grad_u = gy2.new_empty(rows, gemm.rank, dtype=torch.float32)
+    grad_x = gy2.new_empty(rows, gemm.in_features)
+    grad_lin = gy2.new_empty(rows, gemm.in_features) if gemm.lora_out == "separate" else None
+    gemm.launch(config, a=gy2, weight=weight, p=lora_b, q=lora_a, scale=scale, out=grad_x, u=grad_u, lora_out=grad_lin)
+    return grad_u, grad_x, grad_lin
 
-    def cublas():
-        grad_u = (gy2 @ b_c).mul_(scale)
-        grad_x = grad_lin = None
-        if need_grad_x:
-            grad_x = torch.mm(grad_u, a_c).addmm_(gy2, weight) if lora_in_is_x else gy2 @ weight
-        if need_grad_lin:
-            grad_lin = grad_u @ a_c
-        return grad_u, grad_x, grad_lin
 
-    separate = not lora_in_is_x and need_grad_lin
-    if not need_grad_x or (not lora_in_is_x and not need_grad_lin):
-        return cublas()
-    gemm = LoraGemm("grad_input", in_features, out_features, lora_a.shape[0], gy2.dtype,
-                    lora_out="separate" if separate else "add")
+def _grad_input_cublas(flags, lora_first, gy2, weight, lora_a, lora_b, scale):
+    lora_in_is_x, need_grad_x, need_grad_lin = flags
+    a_c = lora_a.to(gy2.dtype)
+    grad_u = torch.mm(gy2, lora_b.to(gy2.dtype)).mul_(scale)
+    grad_x = grad_lin = None
+    if need_grad_x and lora_in_is_x:
+        grad_x = torch.mm(grad_u, a_c).addmm_(gy2, weight) if lora_first else torch.mm(gy2, weight).addmm_(grad_u, a_c)
+    elif need_grad_x:
+        grad_x = torch.mm(gy2, weight)
+    if need_grad_lin:
+        grad_lin = torch.mm(grad_u, a_c)
+    return grad_u, grad_x, grad_lin
 
-    def fused(config):
-        grad_u = gy2.new_empty(rows, lora_a.shape[0], dtype=torch.float32)
-        grad_x = gy2.new_empty(rows, in_features)
-        grad_lin = gy2.new_empty(rows, in_features) if separate else None
-        gemm.launch(config, a=gy2, weight=weight, p=lora_b.contiguous(), q=lora_a.contiguous(), scale=scale,
-                    out=grad_x, u=grad_u, lora_out=grad_lin)
-        return grad_u, grad_x, grad_lin
 
-    candidates = {f"triton {c}": functools.partial(fused, c) for c in _configs(lora_a.shape[0])}
-    candidates["cublas"] = cublas
-    description = {"op": "lora_linear_backward", "kernel": gemm.name, "adapter_dtype": str(lora_a.dtype), "rows": _bucket(rows)}
-    return candidates[autotune.choose(description, candidates, gy2.device)]()
+def _adapter_grads(transposed, gy2, lin2, grad_u, lora_a, lora_b, scale):
+    """``(dA, dB)`` = ``(dUᵀ@lora_in, s·dYᵀ@u)``, ``u = lora_in@Aᵀ``; ``transposed`` computes their transposes.
+
+    Both forms are the same three rank-r GEMMs; cuBLAS picks other kernels for the two layouts,
+    and which is faster depends on the shape.
+    """
+    dtype = lin2.dtype
+    a_c, grad_u = lora_a.to(dtype), grad_u.to(dtype)
+    if transposed:
+        u_t = torch.mm(a_c, lin2.t())
+        return torch.mm(lin2.t(), grad_u).t().contiguous(), torch.mm(u_t, gy2).mul_(scale).t().contiguous()
+    u = torch.mm(lin2, a_c.t())
+    return torch.mm(grad_u.t(), lin2), torch.mm(gy2.t(), u).mul_(scale)
+
+
+ADAPTER_GRADS = {"cublas": functools.partial(_adapter_grads, False), "cublas transposed": functools.partial(_adapter_grads, True)}
