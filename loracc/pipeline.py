@@ -12,7 +12,9 @@ import torch.fx as fx
 from torch import nn
 
 from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
+from .graph import placeholders, role
 from .passes import FORWARD_PASSES, memory_plan, partition, remat
+from .passes.memory_plan import RegionMemory, step_peak_bytes, value_bytes
 
 
 @dataclass
@@ -67,6 +69,7 @@ def compile_call(
         memory[stage] = planned.report
     # The forward and the backward never run at once: one arena serves both, and every layer.
     memory["arena_bytes"] = max(memory["forward"]["arena_bytes"], memory["backward"]["arena_bytes"])
+    memory["tangent_bytes"] = sum(value_bytes(t.meta.get("val")) for t in placeholders(joint) if role(t) == "tangent")
     reports["memory_plan"] = memory
 
     out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
@@ -82,6 +85,27 @@ def compile_call(
         reports=reports,
         compile_seconds=time.perf_counter() - start,
     )
+
+
+def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:
+    """The predicted peak memory of one training step, before it runs.
+
+    ``runs``: each compiled region's program with how many times a step runs it (a block region: its
+    number of layers); ``persistent_bytes``: what lives across steps (weights, buffers, LoRA
+    gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``.
+    """
+    regions = []
+    for program, repeats in runs:
+        memory = program.reports["memory_plan"]
+        regions.append(RegionMemory(
+            repeats=repeats,
+            saved_bytes=memory["forward"]["saved_bytes"],
+            saved_input_bytes=memory["forward"]["saved_input_bytes"],
+            forward_peak_bytes=memory["forward"]["peak_bytes"],
+            backward_peak_bytes=memory["backward"]["peak_bytes"],
+            tangent_bytes=memory["tangent_bytes"],
+        ))
+    return step_peak_bytes(regions, persistent_bytes)
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:

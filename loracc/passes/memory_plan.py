@@ -13,7 +13,8 @@ The report: ``arena_bytes``; ``peak_bytes``, the most bytes the graph holds abov
 point when each buffer is allocated at its node and freed after its last use (what the eager backend
 does: fx frees each value after its last use), outputs included; ``output_bytes``; ``saved_bytes``,
 the activation bytes the forward hands to the backward (graph inputs that are activations count,
-parameters do not).
+parameters do not), ``saved_input_bytes`` the part of them that are graph inputs. ``step_peak_bytes``
+turns the reports of a step's regions into the step's predicted peak.
 
 The eager backend runs the graph as is and lets the allocator place each buffer; running out of
 the arena needs generated kernels that write into ``out=`` buffers, which is codegen's part.
@@ -165,8 +166,39 @@ def graph_memory(gm: fx.GraphModule) -> dict:
         "peak_bytes": peak_bytes(nodes, outputs),
         "output_bytes": sum(b.nbytes for b in found if b.is_output),
         "saved_bytes": activation_bytes(n for n in nodes if "saved" in info(n) and n.op != "output"),
+        "saved_input_bytes": activation_bytes(n for n in nodes if "saved" in info(n) and n.op == "placeholder"),
         "buffers": len(found),
     }
+
+
+@dataclass
+class RegionMemory:
+    """What one compiled region adds to a step: its graphs' reports, and how many times it runs."""
+
+    repeats: int
+    saved_bytes: int
+    saved_input_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    tangent_bytes: int
+
+
+def step_peak_bytes(regions: list[RegionMemory], persistent_bytes: int = 0) -> int:
+    """The peak memory of a training step that runs ``regions``, over ``persistent_bytes`` (weights,
+    buffers, LoRA gradients, optimizer state).
+
+    Every run's saved values are alive when the first backward starts; before, the forward of a
+    region's last run holds the earlier runs' saved values, its inputs and its own peak (which
+    includes the values it saves); after, the backward of a region's first run holds them all with
+    its incoming gradients and its own peak. The eager glue between regions is not counted.
+    """
+    held = sum(r.repeats * r.saved_bytes for r in regions)
+    transient = max(
+        (max(r.forward_peak_bytes - (r.saved_bytes - r.saved_input_bytes), r.tangent_bytes + r.backward_peak_bytes)
+         for r in regions),
+        default=0,
+    )
+    return persistent_bytes + held + transient
 
 
 def activation_bytes(nodes) -> int:

@@ -36,7 +36,10 @@ import torch.fx as fx
 from ..errors import LoraccError, Unsupported
 from ..graph import info, output_node, placeholders, role
 from . import PassResult
-from .memory_plan import PARAMETER_ROLES, activation_bytes, aliased_input, is_mutation, peak_bytes, storage_key, value_bytes
+from .memory_plan import (
+    PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
+    value_bytes,
+)
 from .partition import backward_nodes, forward_nodes, is_random
 
 aten = torch.ops.aten
@@ -106,22 +109,13 @@ def parse_budget(value) -> Budget:
     return Budget(limit_bytes=value)
 
 
-def region_peak_bytes(repeats: int, saved: int, forward_peak: int, backward_peak: int, tangent_bytes: int) -> int:
-    """Peak bytes a region adds to a step when its graphs run ``repeats`` times (a block's layers).
-
-    The forward of the last layer runs while the earlier layers hold their saved values; the backward
-    of the last layer (the first to run) runs while every layer holds them, with the incoming gradient.
-    """
-    return repeats * saved + max(forward_peak, tangent_bytes + backward_peak)
-
-
 def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 1, reserved_bytes: int | None = None) -> PassResult:
     """Mark the cut for ``budget`` (anything ``parse_budget`` takes) on ``joint``.
 
     A byte limit needs ``repeats`` (how many times a step runs this region: its number of layers) and
     ``reserved_bytes`` (what the rest of the step holds meanwhile: weights, gradients, optimizer
     state, other regions' saved values); the plan chosen is the one whose step peak
-    ``reserved_bytes + region_peak_bytes(...)`` fits. ``LoraccError`` if none fits, naming the smallest
+    ``reserved_bytes + memory_plan.step_peak_bytes(...)`` of this region alone fits. ``LoraccError`` if none fits, naming the smallest
     peak that recomputing everything possible reaches.
     """
     start = time.perf_counter()
@@ -227,14 +221,21 @@ class Cut:
         return self.plan(low)
 
     def peak(self, plan: Plan, repeats: int) -> int:
-        """``region_peak_bytes`` of ``plan``: the liveness of the nodes each graph would run."""
+        """The step peak this region adds when it runs ``repeats`` times, from the liveness of the
+        nodes each graph would run (``step_peak_bytes``)."""
         if repeats not in plan.peak_bytes:
             saved = set(plan.saved)
             outputs = list(output_node(self.joint).args[0])
-            forward = peak_bytes(forward_nodes(self.joint, self.n_outputs, saved), outputs[: self.n_outputs] + plan.saved)
-            backward = peak_bytes(backward_nodes(self.joint, self.n_outputs, saved), outputs[self.n_outputs:])
-            tangents = sum(value_bytes(t.meta.get("val")) for t in placeholders(self.joint) if role(t) == "tangent")
-            plan.peak_bytes[repeats] = region_peak_bytes(repeats, plan.saved_bytes, forward, backward, tangents)
+            region = RegionMemory(
+                repeats=repeats,
+                saved_bytes=plan.saved_bytes,
+                saved_input_bytes=activation_bytes(n for n in plan.saved if n.op == "placeholder"),
+                forward_peak_bytes=peak_bytes(forward_nodes(self.joint, self.n_outputs, saved),
+                                              outputs[: self.n_outputs] + plan.saved),
+                backward_peak_bytes=peak_bytes(backward_nodes(self.joint, self.n_outputs, saved), outputs[self.n_outputs:]),
+                tangent_bytes=sum(value_bytes(t.meta.get("val")) for t in placeholders(self.joint) if role(t) == "tangent"),
+            )
+            plan.peak_bytes[repeats] = step_peak_bytes([region])
         return plan.peak_bytes[repeats]
 
     def mark(self, plan: Plan) -> None:

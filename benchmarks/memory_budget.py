@@ -1,0 +1,177 @@
+"""Peak memory and tokens/s of a loracc training step against its memory budget.
+
+For each workload (the Qwen2-0.5B- and Llama-3.2-1B-shaped steps of ANCHORS.md) and each budget,
+one process builds the model, compiles it with ``loracc.compile(model, memory_budget=budget)``,
+trains ``--warmup + --steps`` steps (setup, model, batch, optimizer and timing are ``bench.py``'s)
+and records the measured peak (``torch.cuda.max_memory_allocated``), the peak loracc predicted
+before the first step, the bytes each region saves, and the median step time.
+
+    python benchmarks/memory_budget.py                         # both workloads, the default budgets
+    python benchmarks/memory_budget.py --workload qwen2-0.5b --budget 0.5 --budget 8GB
+    python benchmarks/memory_budget.py --tiny                  # CPU smoke run (no peak measured)
+
+Results: JSON to ``--out`` (default ``benchmarks/results/memory_budget-<date>.json``), a table on
+stdout, and with matplotlib a plot of peak memory and tokens/s against the budget next to the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import bench
+
+BUDGETS = ["none", "1.0", "0.75", "0.5", "0.25", "0.1", "0.0", "8GB"]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def budget_value(text: str):
+    """'none' → None, '0.5' → 0.5 (a fraction), '8GB' → '8GB', '8000000000' → int bytes."""
+    return None if text.lower() == "none" else bench.parse_budget(text)
+
+
+def persistent_bytes(peft_model) -> int:
+    """What lives across steps: every parameter and buffer, the LoRA gradients and AdamW's two states."""
+    tensors = {id(t): t for t in list(peft_model.parameters()) + list(peft_model.buffers())}.values()
+    trainable = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
+    return sum(t.numel() * t.element_size() for t in tensors) + 3 * trainable
+
+
+def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    """One budget on one workload, in this process."""
+    import torch
+
+    import loracc
+    from loracc.pipeline import predicted_peak_bytes
+
+    record = dict(workload=workload, budget=budget_text, batch=batch, seq=seq, status="ok")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, peft_model, _ = bench.build_model(workload, "loracc", device)
+    try:
+        loracc.compile(peft_model, memory_budget=budget_value(budget_text))
+        args = SimpleNamespace(workload=workload, batch=batch, seq=seq, steps=steps, warmup=warmup)
+        record.update(bench.train(model, peft_model, args, device))
+    except loracc.LoraccError as exc:
+        return {**record, "status": "refused", "error": str(exc)}
+    except torch.cuda.OutOfMemoryError as exc:
+        return {**record, "status": "oom", "error": str(exc).splitlines()[0]}
+    regions = [(r, r.latest) for r in peft_model._loracc.regions if r.latest is not None]
+    runs = [(program, len(region.modules) if region.kind == "block" else 1) for region, program in regions]
+    record["persistent_bytes"] = persistent_bytes(peft_model)
+    record["predicted_peak_bytes"] = predicted_peak_bytes(runs, record["persistent_bytes"])
+    record["regions"] = [
+        dict(kind=region.kind, runs=repeats, saved_bytes=program.reports["remat"]["saved bytes"],
+             fastest_saved_bytes=program.reports["remat"]["fastest plan saved bytes"],
+             recomputed_gemms=program.reports["remat"]["recomputed GEMMs and attention"],
+             arena_bytes=program.reports["memory_plan"]["arena_bytes"],
+             remat_seconds=program.reports["remat"]["seconds"])
+        for (region, program), (_, repeats) in zip(regions, runs)
+    ]
+    return record
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| workload | budget | status | peak GB | predicted GB | tokens/s | block saves MB/layer | GEMMs recomputed/layer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        block = next((g for g in r.get("regions", []) if g["kind"] == "block"), None)
+        if r["status"] != "ok" or block is None:
+            lines.append(f"| {r['workload']} | {r['budget']} | {r['status']} | | | | | {r.get('error', '')[:100]} |")
+            continue
+        peak = f"{r['peak_memory_bytes'] / 1e9:.2f}" if r.get("peak_memory_bytes") else "-"
+        lines.append(
+            f"| {r['workload']} | {r['budget']} | ok | {peak} | {r['predicted_peak_bytes'] / 1e9:.2f} | "
+            f"{r.get('tokens_per_s', 0):,.0f} | {block['saved_bytes'] / 1e6:.1f} | {block['recomputed_gemms']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        rows = [r for r in records if r["workload"] == workload and r["status"] == "ok"]
+        labels = [r["budget"] for r in rows]
+        mem.plot(labels, [(r.get("peak_memory_bytes") or r["predicted_peak_bytes"]) / 1e9 for r in rows], "o-", label=workload)
+        speed.plot(labels, [r.get("tokens_per_s", 0) for r in rows], "o-", label=workload)
+    mem.set(xlabel="memory_budget", ylabel="peak GB (measured; predicted without a GPU)")
+    speed.set(xlabel="memory_budget", ylabel="tokens/s")
+    mem.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS), help="repeatable")
+    parser.add_argument("--budget", action="append", help=f"repeatable; default {' '.join(BUDGETS)}")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="the tiny workload, 2 steps: a CPU smoke run")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per process")
+    parser.add_argument("--out")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # worker: 'workload,budget,batch,seq' → JSON on stdout
+    args = parser.parse_args(argv)
+    if args.one:
+        workload, budget, batch, seq = args.one.split(",")
+        print(json.dumps(run_one(workload, budget, int(batch), int(seq), args.steps, args.warmup)))
+        return 0
+
+    if args.tiny:
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    workloads = ["tiny"] if args.tiny else (args.workload or ["qwen2-0.5b", "llama-3.2-1b"])
+    records = []
+    for workload in workloads:
+        spec = bench.WORKLOADS[workload]
+        batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
+        for budget in args.budget or BUDGETS:
+            start = time.monotonic()
+            argv_one = ["--one", f"{workload},{budget},{batch},{seq}", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            record, why = _spawn(argv_one, args.timeout)
+            record = record or dict(workload=workload, budget=budget, batch=batch, seq=seq, status="error", error=why)
+            record["wall_s"] = time.monotonic() - start
+            records.append(record)
+            print(table([record]).splitlines()[-1], flush=True)
+    out = Path(args.out) if args.out else RESULTS / f"memory_budget-{datetime.date.today()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    settings = SimpleNamespace(cuda=torch.cuda.is_available(), warmup=args.warmup, steps=args.steps, loracc_budget=None)
+    out.write_text(json.dumps({"environment": bench.environment(settings), "records": records}, indent=1))
+    plot(records, out.with_suffix(".png"))
+    print(table(records))
+    print(f"results: {out}")
+    return 0 if all(r["status"] in ("ok", "refused") for r in records) else 1
+
+
+def _spawn(argv: list[str], timeout: float):
+    """Run this script's worker in its own process (a clean peak); (record, "") or (None, why)."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bench.REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout:.0f} s"
+    last = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    if proc.returncode == 0 and last:
+        return json.loads(last[0]), ""
+    return None, f"exit {proc.returncode}: " + " | ".join((proc.stderr or "").strip().splitlines()[-3:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
