@@ -60,7 +60,8 @@ def load_base_weights(model: nn.Module, path, *, strict: bool = True) -> LoadRep
 
     With ``strict`` (the default) a model tensor missing from the file, or a file tensor the model
     has no place for, is an error; ``strict=False`` reports them instead (e.g. a new classifier head).
-    A shape mismatch is always an error.
+    A shape mismatch is always an error. Names and shapes are checked against the files' headers
+    before anything is copied, so a mismatched checkpoint leaves the model as it was.
     """
     files = _checkpoint_files(Path(path))
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -73,31 +74,30 @@ def load_base_weights(model: nn.Module, path, *, strict: bool = True) -> LoadRep
     with _open_all(files) as handles:
         file_keys = {key: handle for handle in handles for key in handle.keys()}
         rename = _key_mapping(list(file_keys), targets, getattr(root, "base_model_prefix", ""))
-        report, filled = LoadReport(), set()
-        for key, handle in file_keys.items():
-            name = rename(key)
-            if name not in targets:
-                report.unexpected.append(key)
-                continue
+        report = LoadReport(unexpected=[k for k in file_keys if rename(k) not in targets])
+        plan = [(key, handle, rename(key)) for key, handle in file_keys.items() if rename(key) in targets]
+        covered = {id(t) for _, _, name in plan for t in targets[name]}
+        report.missing = [n for n, ts in targets.items() if not all(id(t) in covered for t in ts)]
+        if strict and (report.missing or report.unexpected):
+            raise LoraccError(
+                f"load_base_weights: the checkpoint at {path} does not match the model: "
+                f"missing from the file: {_names(report.missing)}; in the file but not in the model: "
+                f"{_names(report.unexpected)}. Check that it is the checkpoint of this architecture and config, "
+                "or pass strict=False to keep the model's own values where the file has none"
+            )
+        for key, handle, name in plan:  # shapes from the headers, before anything is copied
+            shape = list(handle.file.get_slice(key).get_shape())
+            if shape != list(targets[name][0].shape):
+                raise LoraccError(
+                    f"load_base_weights: {key} in {handle.path} has shape {shape} but the model's {name} has "
+                    f"{list(targets[name][0].shape)}: the checkpoint is for another model or config"
+                )
+        for key, handle, name in plan:
             tensor = _read(handle, key)
-            for target in targets[name]:
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise LoraccError(
-                        f"load_base_weights: {key} in {handle.path} has shape {list(tensor.shape)} but the model's "
-                        f"{name} has {list(target.shape)}: the checkpoint is for another model or config"
-                    )
-                with torch.no_grad():
+            with torch.no_grad():
+                for target in targets[name]:
                     target.copy_(tensor)
-                filled.add(id(target))
             report.loaded += 1
-    report.missing = [n for n, ts in targets.items() if not all(id(t) in filled for t in ts)]
-    if strict and (report.missing or report.unexpected):
-        raise LoraccError(
-            f"load_base_weights: the checkpoint at {path} does not match the model: "
-            f"missing from the file: {_names(report.missing)}; in the file but not in the model: "
-            f"{_names(report.unexpected)}. Check that it is the checkpoint of this architecture and config, "
-            "or pass strict=False to keep the model's own values where the file has none"
-        )
     return report
 
 

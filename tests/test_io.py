@@ -96,13 +96,21 @@ def test_missing_files(tmp_path):
         load_base_weights(llama(), tmp_path / "sharded")
 
 
-def test_mismatched_checkpoint(tmp_path):
+def test_mismatched_checkpoint_leaves_the_model_as_it_was(tmp_path):
     llama(hidden=32).save_pretrained(tmp_path)
+    model = llama(hidden=64)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
     with pytest.raises(LoraccError, match=r"weight in .*shape \[101, 32\].*\[101, 64\]"):
-        load_base_weights(llama(hidden=64), tmp_path)
+        load_base_weights(model, tmp_path)
+    almost = {n: t.contiguous() for n, t in llama(hidden=64).state_dict().items()}
+    almost["model.norm.weight"] = torch.randn(63)  # read after every other tensor: a late mismatch
+    save_file(almost, str(tmp_path / "almost.safetensors"))
+    with pytest.raises(LoraccError, match=r"model\.norm\.weight in .*shape \[63\]"):
+        load_base_weights(model, tmp_path / "almost.safetensors")
     save_file({"encoder.weight": torch.randn(3, 3)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(LoraccError, match=r"missing from the file: .*in the file but not in the model: encoder\.weight"):
-        load_base_weights(llama(), tmp_path / "other.safetensors")
+        load_base_weights(model, tmp_path / "other.safetensors")
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
