@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import loracc
 from loracc.io import last_complete_checkpoint
