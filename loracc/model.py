@@ -188,6 +188,15 @@ class _BlockForward:
         eager = type(self.module).forward.__get__(self.module)
         return self.region.run(self.module, self.path, eager, args, kwargs)
 
+    @property
+    def __signature__(self):
+        return _eager_signature(self.module)
+
+
+def _eager_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of the module's own forward: Trainer and others read it to pick arguments."""
+    return inspect.signature(type(module).forward.__get__(module))
+
 
 def _find_block_lists(model: nn.Module):
     """The outermost ModuleLists of ≥ 2 same-class modules with parameters, and their owners."""
@@ -266,6 +275,10 @@ class _NoCacheInTraining:
             kwargs["use_cache"] = False
         return type(self.module).forward(self.module, *args, **kwargs)
 
+    @property
+    def __signature__(self):
+        return _eager_signature(self.module)
+
 
 def _causal_lm(model: nn.Module):
     """``(causal_lm, decoder)`` for a Hugging Face ``*ForCausalLM`` inside ``model``, else None."""
@@ -304,6 +317,10 @@ class _HeadForward:
 
     def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module):
         self.region, self.lm, self.decoder = region, lm, decoder
+
+    @property
+    def __signature__(self):
+        return _eager_signature(self.lm)
 
     def __call__(self, *args, **kwargs):
         lm, decoder = self.lm, self.decoder

@@ -76,7 +76,7 @@ class Region:
             self._fall_back(path, str(exc))
             return eager_forward(*args, **kwargs)
         _, state = module_state(module)
-        key = (signature.key, tuple(tensor_key(t) for t in state))
+        key = (signature.key, tuple(tensor_key(t) for t in state), _autocast_key(state + signature.tensors))
         program = self.programs.get(key)
         if program is None:
             program = self._compile(module, path, signature, state, key)
@@ -124,9 +124,19 @@ class Region:
         return programs[-1] if programs else None
 
 
+def _autocast_key(tensors) -> tuple:
+    """Autocast changes the traced graph (its casts), so it is part of what a graph is specialised to."""
+    device_type = tensors[0].device.type if tensors else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return (device_type, False)
+    return (device_type, True, torch.get_autocast_dtype(device_type))
+
+
 def _describe_change(old_key: tuple, new_key: tuple) -> str:
-    (old_spec, old_args), old_state = old_key
-    (new_spec, new_args), new_state = new_key
+    (old_spec, old_args), old_state, old_autocast = old_key
+    (new_spec, new_args), new_state, new_autocast = new_key
+    if old_autocast != new_autocast:
+        return f"autocast changed from {old_autocast} to {new_autocast}"
     if old_spec != new_spec:
         return "the call's argument structure changed"
     for i, (a, b) in enumerate(zip(old_args, new_args)):

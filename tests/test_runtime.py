@@ -151,3 +151,23 @@ def test_deepcopy_of_a_compiled_model_trains_its_own_weights():
     assert not torch.allclose(loss_orig, loss_twin)
     loss_twin.backward()
     assert all(p.grad is None for p in compiled.parameters())
+
+
+def test_autocast_is_part_of_the_guard():
+    eager, compiled, batch = _compiled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(**batch).loss.backward()
+    loss_c = compiled(**batch).loss
+    loss_e = eager(**batch).loss
+    assert rel_err(loss_c.detach(), loss_e.detach()) <= 1e-5
+    reasons = [r for region in loracc.explain(compiled).regions for r in region.recompiles]
+    assert any("autocast changed" in r for r in reasons)
+
+
+def test_compiled_forward_keeps_the_signature():
+    import inspect
+
+    _, compiled, _ = _compiled()
+    lm = compiled.get_base_model()
+    assert "input_ids" in inspect.signature(lm.forward).parameters
+    assert "hidden_states" in inspect.signature(lm.model.layers[0].forward).parameters

@@ -102,7 +102,6 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_run(fp32_runs, tmp_path)
     assert_close(history(resumed), history(full), 1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="loracc.model's patched forward hides the signature Trainer reads "
-                                       "to keep dataset columns; with the signature kept, this passes")
 def test_trainer_keeps_the_model_columns(tmp_path):
+    """Trainer keeps the dataset columns the model's forward takes: the compiled forward shows its signature."""
     trainer(peft_llama(True), tmp_path, max_steps=1, eval_strategy="no", remove_unused_columns=True).train()
