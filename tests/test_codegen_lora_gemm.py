@@ -146,3 +146,10 @@ def test_unsupported_cases_say_why():
     assert "float64" in lora_linear.unsupported(x.double(), w.double(), None, a.double(), b.double())
     assert "weight" in lora_linear.unsupported(x, w.half(), None, a, b)
     assert "LoRA weights" in lora_linear.unsupported(x.half(), w.half(), None, a.bfloat16(), b.bfloat16())
+
+
+def test_unaligned_rows_are_left_to_cublas():
+    aligned, unaligned = LoraGemm("forward", 48, 40, 4, torch.bfloat16), LoraGemm("forward", 48, 36, 4, torch.bfloat16)
+    assert aligned.rows_aligned and not unaligned.rows_aligned
+    assert lora_linear._template_impls(unaligned, None) == {}
+    assert len(lora_linear._template_impls(aligned, None)) == len(CONFIGS if DEVICE.type == "cpu" else GPU_CONFIGS)

@@ -134,6 +134,17 @@ class LoraGemm:
             u_name="rank-r gradient dU", lora_out_name="gradient of the dropped-out input",
         )
 
+    @property
+    def rows_aligned(self) -> bool:
+        """Whether every row of every operand starts on 16 bytes.
+
+        With 16-bit operands whose rows were not known to be aligned (out_features = 40, the row
+        stride then a run-time argument), Triton 3.6 produced a wrong input gradient on an H100;
+        the row stride is now a constant of the kernel, and unaligned layers still go to cuBLAS.
+        """
+        size = torch.finfo(self.dtype).bits // 8
+        return (self.in_features * size) % 16 == 0 and (self.out_features * size) % 16 == 0
+
     def source(self) -> str:
         return render("lora_gemm.py.jinja", **self.variables())
 
@@ -142,14 +153,14 @@ class LoraGemm:
 
     def launch(self, config: Config, *, a: Tensor, weight: Tensor, p: Tensor, q: Tensor, scale: float,
                out: Tensor, bias: Tensor | None = None, u: Tensor | None = None, lora_out: Tensor | None = None):
-        """Run the kernel: ``a`` is ``[M, K]`` with unit column stride; ``weight``, ``p``, ``q`` any layout.
+        """Run the kernel on ``a`` (``[M, K]``); every tensor is made contiguous first (a no-op when it is).
 
         ``p`` is the LoRA weight of the main loop (A forward, B backward), ``q`` the one of the
         epilogue; ``u`` is read (``lora_in="loaded"``) or written (``grad_input``); outputs are
         contiguous and written in full.
         """
         m = a.shape[0]
-        args = dict(a_ptr=a, w_ptr=weight.contiguous(), q_ptr=q.contiguous(), out_ptr=out, M=m, stride_am=a.stride(0), scale=float(scale))
+        args = dict(a_ptr=a.contiguous(), w_ptr=weight.contiguous(), q_ptr=q.contiguous(), out_ptr=out, M=m, scale=float(scale))
         if self.lora_in == "fused":
             args["p_ptr"] = p.contiguous()
         if self.has_bias:

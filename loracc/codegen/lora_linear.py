@@ -84,7 +84,9 @@ def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple,
 
 
 def _template_impls(gemm: LoraGemm, run) -> dict[str, Callable]:
-    configs = () if gemm.rank > MAX_RANK else INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
+    if gemm.rank > MAX_RANK or not gemm.rows_aligned:
+        return {}
+    configs = INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
     return {f"triton {c}": functools.partial(run, gemm, c) for c in configs}
 
 
@@ -124,9 +126,10 @@ def _forward_cublas(x2, lin2, weight, bias, lora_a, lora_b, scale):
 
 def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The rank-r term (+ bias) first, then the frozen GEMM accumulating into it."""
-    u = torch.mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t()).mul_(scale)
-    y = torch.mm(u, lora_b.to(x2.dtype).t()) if bias is None else torch.addmm(bias, u, lora_b.to(x2.dtype).t())
-    return y.addmm_(x2, weight.t())
+    u = torch.mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t())
+    if bias is None:
+        return torch.mm(u, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t(), beta=scale)
+    return torch.addmm(bias, u, lora_b.to(x2.dtype).t(), alpha=scale).addmm_(x2, weight.t())
 
 
 # Backward -------------------------------------------------------------------------------------
