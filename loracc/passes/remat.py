@@ -18,9 +18,11 @@ unit for cheap ops (norms, activations, casts, views, rank-r LoRA products), ``p
 GEMMs and attention. The fastest plan (``memory_budget=None``) has an infinite price: it saves the
 fewest bytes that recomputing only cheap ops allows. Lowering the price trades FLOPs for bytes, and
 the saved bytes never grow as the price falls (the cut minimises bytes + price × FLOPs, a Lagrangian
-relaxation; capacities are exact integers). A budget picks the highest price on a fixed grid whose
-plan fits: so saved bytes fall monotonically with the budget. Plans between two grid prices are not
-considered (the relaxation only reaches the lower convex hull of bytes against FLOPs).
+relaxation; capacities are exact integers). A budget gets the highest price whose plan fits, out of
+one fixed set of prices, so saved bytes fall monotonically with the budget. The relaxation reaches
+the plans on the lower convex hull of bytes against FLOPs; a budget between two of them gets the
+smaller. GEMMs with equal bytes per FLOP (q, k, v, gate, up) get costs spread by up to 1/8 in graph
+order, so that they are recomputed one at a time rather than all at one price.
 """
 from __future__ import annotations
 
@@ -114,9 +116,9 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
 
     A byte limit needs ``repeats`` (how many times a step runs this region: its number of layers) and
     ``reserved_bytes`` (what the rest of the step holds meanwhile: weights, gradients, optimizer
-    state, other regions' saved values); the plan chosen is the one whose step peak
-    ``reserved_bytes + memory_plan.step_peak_bytes(...)`` of this region alone fits. ``LoraccError`` if none fits, naming the smallest
-    peak that recomputing everything possible reaches.
+    state, other regions' saved values): the plan is the fastest whose step peak, ``reserved_bytes``
+    plus ``memory_plan.step_peak_bytes`` of this region, fits. ``LoraccError`` if none fits, naming
+    the peak that recomputing everything possible reaches.
     """
     start = time.perf_counter()
     budget = parse_budget(budget)
@@ -136,8 +138,8 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
         peak = reserved_bytes + problem.peak(plan, repeats)
         if peak > budget.limit_bytes:
             raise LoraccError(
-                f"memory_budget {budget.limit_bytes / 2**30:.2f} GiB cannot be met: even recomputing everything "
-                f"possible, the step needs about {peak / 2**30:.2f} GiB ({peak} bytes) with {repeats} "
+                f"memory_budget {budget.limit_bytes / 2**30:.3f} GiB cannot be met: even recomputing everything "
+                f"possible, the step needs about {peak / 2**30:.3f} GiB ({peak} bytes) with {repeats} "
                 f"layer(s) of this region; raise the budget, or shorten the batch or the sequences"
             )
         report["predicted peak bytes"] = peak
@@ -179,8 +181,7 @@ class Cut:
         self.fixed = _never_recomputed(self.nodes)
         self.save_bytes = {n: _save_bytes(n) for n in self.forward}
         self.tie_scale = 2 * len(self.nodes) + 1  # a byte outweighs every tie-breaking unit together
-        # GEMMs with equal bytes per FLOP (q, k, v, gate, up) would all flip at one price; costs spread
-        # by up to 1/8 in graph order make them flip one at a time, so a budget can stop between them.
+        # Equal bytes per FLOP would make q, k, v, gate and up flip at one price: spread their costs.
         costly = [n for n in self.forward if _is_expensive(n)]
         self.spread = 8 * max(1, len(costly))
         self.cost = {n: _flops(n) * (self.spread + i) for i, n in enumerate(costly)}
@@ -249,8 +250,9 @@ class Cut:
                 info(n)["recomputed"] = value_bytes(n.meta.get("val"))
 
     def _solve(self, price) -> list[fx.Node]:
-        """Saved nodes of the minimum cut at ``price``; capacities scaled to integers, an edge
-        without capacity is infinite."""
+        """Saved nodes of the minimum cut at ``price``. Capacities are the objective
+        ``bytes + ties / tie_scale + price × FLOPs × (1 + rank / spread)`` times ``den × spread × tie_scale``
+        (exact integers); an edge without capacity is infinite."""
         num, den = (0, 1) if price is FASTEST else (price.numerator, price.denominator)
         unit = den * self.spread
         graph = nx.DiGraph()
@@ -277,6 +279,7 @@ class Cut:
                               "value that can be neither saved nor recomputed") from exc
         self.solved += 1
         return [n for n in self.nodes if (n, "in") in reachable and (n, "out") not in reachable]
+
 
 def _save_bytes(node: fx.Node) -> int | None:
     """What saving ``node`` costs: None (impossible) for views, tuples and non-tensors."""
