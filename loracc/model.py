@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import cross_entropy
 from .codegen import get_backend
 from .errors import LoraccError
 from .graph import param_role
@@ -295,18 +296,50 @@ def _causal_lm(model: nn.Module):
 
 
 class _Head(nn.Module):
-    """Final norm + vocabulary projection + the model's own loss function, as one traceable call."""
+    """Final norm + vocabulary projection + the model's loss, as one traceable call.
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function, vocab_size: int):
+    With Hugging Face's causal-LM loss over a frozen bias-free projection (``fused``), the
+    projection and the loss are one ``loracc::linear_cross_entropy``: logits are never whole, and
+    the call returns no logits. Otherwise the model's own ``lm_head`` and ``loss_function`` run.
+    """
+
+    IGNORE_INDEX = -100
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function, vocab_size: int, fused: bool):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
-        self.loss_function, self.vocab_size = loss_function, vocab_size
+        self.loss_function, self.vocab_size, self.fused = loss_function, vocab_size, fused
 
     def forward(self, hidden_states, labels, num_items_in_batch=None):
-        logits = self.lm_head(self.norm(hidden_states))
-        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
-                                  num_items_in_batch=num_items_in_batch)
-        return loss, logits
+        hidden = self.norm(hidden_states)
+        if not self.fused:
+            logits = self.lm_head(hidden)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                      num_items_in_batch=num_items_in_batch)
+            return loss, logits
+        # Hugging Face's ForCausalLMLoss: tokens < n predict n; the mean over counted tokens, or the
+        # sum over num_items_in_batch when the Trainer accumulates gradients.
+        targets = torch.nn.functional.pad(labels, (0, 1), value=self.IGNORE_INDEX)[..., 1:].reshape(-1)
+        flat, weight = hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight
+        if torch.is_autocast_enabled(flat.device.type):  # as autocast runs the eager lm_head
+            dtype = torch.get_autocast_dtype(flat.device.type)
+            flat, weight = flat.to(dtype), weight.to(dtype)
+        count = num_items_in_batch if num_items_in_batch is not None else (targets != self.IGNORE_INDEX).sum()
+        loss, _ = cross_entropy.linear_cross_entropy(
+            flat, weight, targets, count, self.IGNORE_INDEX,
+            cross_entropy.chunk_rows_for(self.vocab_size, flat.shape[0]),
+        )
+        return loss, None
+
+
+def _fusable_loss(lm: nn.Module) -> bool:
+    """True where the head's projection + loss are Hugging Face's plain causal-LM cross-entropy."""
+    head = lm.lm_head
+    return (
+        getattr(lm.loss_function, "__name__", "") == "ForCausalLMLoss"
+        and type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
+        and getattr(lm.config, "final_logit_softcapping", None) is None
+    )
 
 
 class _HeadForward:
@@ -346,7 +379,8 @@ class _HeadForward:
         items = call.get("num_items_in_batch")
         if items is not None and not isinstance(items, torch.Tensor):
             items = torch.tensor(items, device=labels.device)
-        head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size).train(lm.training)
+        head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size, _fusable_loss(lm))
+        head.train(lm.training)
         loss, logits = self.region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
                                        {"num_items_in_batch": items} if items is not None else {})
         return CausalLMOutputWithPast(loss=loss, logits=logits)

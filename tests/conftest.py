@@ -1,14 +1,18 @@
 """Shared fixtures: small random Hugging Face decoders with PEFT LoRA, and parity helpers."""
 from __future__ import annotations
 
-import copy
 import os
+import shutil
 
-import pytest
-import torch
-
+# Triton decides when it is imported whether kernels run in its interpreter: without a GPU, they
+# must (generated kernels are tested on the CPU this way), so set it before anything imports it.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

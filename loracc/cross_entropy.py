@@ -1,0 +1,76 @@
+"""``loracc::linear_cross_entropy``: vocabulary projection + cross-entropy, chunked, logits never whole.
+
+    loss, grad_hidden = linear_cross_entropy(hidden, weight, labels, count, ignore_index, chunk_rows)
+
+``hidden`` is ``N × H``, ``weight`` the frozen vocabulary projection ``V × H``, ``labels`` ``N``
+token ids (``ignore_index`` marks tokens without a loss), ``count`` a 0-d tensor. ``loss`` is the
+fp32 sum over the counted tokens of ``logsumexp(logits) − logits[label]``, divided by ``count``
+(Hugging Face's mean, or its sum over ``num_items_in_batch``); ``grad_hidden`` its gradient with
+respect to ``hidden``. Both come out of one pass over ``chunk_rows`` rows at a time, so the
+``N × V`` logits (5 GB in fp32 for 8k tokens of a 152k vocabulary) exist a chunk at a time.
+
+The projection is frozen, so the backward needs nothing but ``grad_hidden``: it is computed in the
+forward and scaled by the incoming gradient (a scalar) in the backward. The arithmetic follows the
+eager Hugging Face path: logits in the weight's dtype, upcast to fp32 for the softmax, the logits'
+gradient cast back to the weight's dtype before the product with the weight.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk, plus as much again for the softmax
+
+
+def chunk_rows_for(vocab: int, rows: int) -> int:
+    return max(1, min(rows, CHUNK_BYTES // (4 * vocab)))
+
+
+@torch.library.custom_op("loracc::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, count: Tensor, ignore_index: int, chunk_rows: int
+) -> tuple[Tensor, Tensor]:
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    inv_count = 1.0 / count.to(torch.float32)
+    grad_hidden = torch.empty_like(hidden)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        logits = (hidden[rows] @ weight.t()).float()
+        target = labels[rows]
+        counted = target != ignore_index
+        safe_target = torch.where(counted, target, 0)
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, safe_target[:, None]).squeeze(1)
+        loss += torch.where(counted, lse - picked, 0.0).sum()
+        probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' storage
+        probs.scatter_add_(1, safe_target[:, None], -torch.ones_like(lse)[:, None])
+        probs.mul_(counted[:, None] * inv_count)  # scaled before the cast, as the eager backward does
+        grad_hidden[rows] = probs.to(weight.dtype) @ weight
+    return loss * inv_count, grad_hidden
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, labels, count, ignore_index, chunk_rows):
+    return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1])
+    ctx.weight_requires_grad = inputs[1].requires_grad
+
+
+def _backward(ctx, grad_loss, _grad_of_grad_hidden):
+    if ctx.weight_requires_grad:
+        raise RuntimeError(
+            "loracc::linear_cross_entropy got a vocabulary projection that requires grad; it computes "
+            "no weight gradient: freeze lm_head, or keep the head out of loracc's fused loss"
+        )
+    (grad_hidden,) = ctx.saved_tensors
+    return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+LINEAR_CROSS_ENTROPY = torch.ops.loracc.linear_cross_entropy.default
