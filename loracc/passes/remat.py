@@ -184,7 +184,8 @@ class Cut:
         # Equal bytes per FLOP would make q, k, v, gate and up flip at one price: spread their costs.
         costly = [n for n in self.forward if _is_expensive(n)]
         self.spread = 8 * max(1, len(costly))
-        self.cost = {n: _flops(n) * (self.spread + i) for i, n in enumerate(costly)}
+        # An op whose FLOPs are unknown is recomputed only at price 0 (when recomputing is free).
+        self.cost = {n: None if _flops(n) is None else _flops(n) * (self.spread + i) for i, n in enumerate(costly)}
         self.plans: dict = {}
         self.solved = 0
 
@@ -260,10 +261,11 @@ class Cut:
         for n in self.forward:
             save = self.save_bytes[n]
             graph.add_edge((n, "in"), (n, "out"), **({} if save is None else {"capacity": unit * self.tie_scale * save}))
-            if n in self.fixed or (price is FASTEST and n in self.cost):
+            if n in self.fixed or (n in self.cost and (price is FASTEST or (self.cost[n] is None and num))):
                 graph.add_edge(SOURCE, (n, "in"))
             elif n in self.cost:
-                graph.add_edge(SOURCE, (n, "in"), capacity=2 * unit + num * self.tie_scale * self.cost[n])
+                flops = num and self.tie_scale * self.cost[n]  # at price 0, FLOPs (known or not) cost nothing
+                graph.add_edge(SOURCE, (n, "in"), capacity=2 * unit + num * flops)
             else:
                 graph.add_edge(SOURCE, (n, "in"), capacity=unit)
             for user in n.users:
@@ -292,11 +294,12 @@ def _save_bytes(node: fx.Node) -> int | None:
 
 
 def _is_expensive(node: fx.Node) -> bool:
-    """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight)."""
+    """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight), and every op
+    outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     packet = node.target.overloadpacket
-    if packet in ATTENTION or packet is torch.ops.loracc.lora_linear:
+    if packet in ATTENTION or node.target.namespace != "aten":
         return True
     return packet in GEMMS and not any(role(storage_key(a)[0]) in ("lora_A", "lora_B") for a in node.all_input_nodes)
 
@@ -318,8 +321,8 @@ def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
     return fixed
 
 
-def _flops(node: fx.Node) -> int:
-    """FLOPs of a GEMM or attention node, from its fake values."""
+def _flops(node: fx.Node) -> int | None:
+    """FLOPs of a GEMM or attention node, from its fake values; None for an op it cannot count."""
     out = node.meta["val"]
     out = out[0] if isinstance(out, (tuple, list)) else out
     args = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
@@ -329,5 +332,7 @@ def _flops(node: fx.Node) -> int:
         return 4 * query.numel() * key.shape[-2]
     if packet is aten.convolution:
         return 2 * out.numel() * args[1][0].numel()
-    reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
-    return 2 * out.numel() * reduced.shape[-1]
+    if packet in GEMMS:
+        reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
+        return 2 * out.numel() * reduced.shape[-1]
+    return None
