@@ -200,10 +200,10 @@ def _eager_signature(module: nn.Module) -> inspect.Signature:
 
 
 def _find_block_lists(model: nn.Module):
-    """The outermost ModuleLists of ≥ 2 same-class modules with parameters, and their owners."""
+    """The outermost ModuleLists of same-class modules with LoRA parameters, and their owners."""
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         if any(name.startswith(prefix + ".") for prefix, _, _ in found):
             continue

@@ -138,3 +138,11 @@ def test_no_warnings_on_supported_models():
         warnings.filterwarnings("error", message="loracc")
         _step(compiled, batch)
     assert loracc.explain(compiled).fallbacks == []
+
+
+def test_single_layer_model_compiles_its_layer():
+    eager, compiled, batch = _pair("llama", layers=1)
+    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    assert rel_err(loss_c, loss_e) <= 1e-5
+    _assert_grads_match(eager, compiled)
+    assert [(r.kind, r.calls) for r in loracc.explain(compiled).regions] == [("block", 1), ("head", 1)]

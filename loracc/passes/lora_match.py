@@ -6,8 +6,9 @@ Guarantees: the same function. Each subgraph
 
     y = linear(x, W, b) + s · linear(linear(x', A), B)        (either operand order, s = 1 allowed)
 
-with ``W`` frozen, ``A``/``B`` LoRA weights, ``x'`` = ``x`` or anything computed from it (dropout,
-a cast: it stays in the graph, so a dropout mask is drawn once and reused by the backward), and an
+with ``W`` frozen, ``A``/``B`` LoRA weights, ``x'`` = ``x`` or anything computed from it (dropout:
+it stays in the graph, so a dropout mask is drawn once and reused by the backward; a plain cast of
+``x`` to the adapters' dtype is folded into the op, which does it itself), and an
 optional cast of ``y`` back to the base dtype, becomes ``lora_linear(x, W, b, A, B, s, x' or None)``
 when its intermediates have no other users. LoRA weights left unmatched (another adapter type, a
 pattern not recognised) are reported with the reason; their layers keep their ATen ops, whose
@@ -93,6 +94,8 @@ def _match_add(add: fx.Node):
             continue
         lora_in, lora_a, _ = a_parts
         x, weight, bias = base_parts
+        if _is_cast_of(lora_in, x) and _only_user(lora_in, u):
+            lora_in = x  # the op casts x to the adapters' dtype itself (PEFT's fp32 adapters)
         chain = [(base, add), (u, lora_scaled)] + ([(lora_scaled, branch)] if branch is not lora_scaled else [])
         if not all(_only_user(n, user) for n, user in chain) or not _only_user(branch, add):
             continue
@@ -103,6 +106,13 @@ def _match_add(add: fx.Node):
             continue
         return end, x, weight, bias, lora_a, lora_b, scale, (None if lora_in is x else lora_in)
     return None
+
+
+def _is_cast_of(node: fx.Node, x: fx.Node) -> bool:
+    """True if ``node`` only changes the dtype of ``x`` (no device, layout or memory-format change)."""
+    if _is(node, aten._to_copy.default):
+        return node.args[0] is x and set(node.kwargs) <= {"dtype"}
+    return _is(node, aten.to.dtype) and node.args[0] is x
 
 
 def _derived_from(node: fx.Node, x: fx.Node, depth: int = 4) -> bool:
