@@ -99,7 +99,7 @@ def loracc_summary(rows: list[dict]) -> str | None:
     fast, best = max(mine, key=lambda r: r["tokens_per_s"]), max(peers, key=lambda r: r["tokens_per_s"])
     ratio = fast["tokens_per_s"] / best["tokens_per_s"]
     verdict = "faster than" if ratio > 1 else "slower than"
-    text = (f"{fast['method']} is {verdict} the fastest peer ({best['method']}): "
+    text = (f"{fast['method']} is {verdict} the fastest peer in this run ({best['method']}): "
             f"{fast['tokens_per_s']:,.0f} vs {best['tokens_per_s']:,.0f} tokens/s ({ratio:.2f}×)")
     with_peak = [r for r in ok if r.get("peak_memory_bytes")]
     if any(r in with_peak for r in mine) and any(r in with_peak for r in peers):
