@@ -43,15 +43,13 @@ class Config:
         return f"{self.block_m}x{self.block_n}x{self.block_k}g{self.group_m}w{self.num_warps}s{self.num_stages}"
 
 
-# Candidates for the autotuner on a GPU: the usual good tiles for a Hopper/Ampere bf16 GEMM, from
-# wide (few programs, most reuse) to narrow (more programs, for small N).
+# Candidates for the autotuner on a GPU. Every config costs a Triton compile per shape on the
+# first step, so the set is the tiles that won somewhere at the ANCHORS shapes on an H100 (wide
+# tiles; benchmarks/results/lora_linear_h100.md) plus one narrow tile for small N (k/v projections
+# of grouped-query attention); cuBLAS is always a candidate besides.
 GPU_CONFIGS = (
     Config(128, 256, 64, 8, 8, 3),
     Config(128, 256, 64, 8, 8, 4),
-    Config(256, 128, 64, 8, 8, 3),
-    Config(128, 128, 64, 8, 8, 4),
-    Config(128, 128, 64, 8, 4, 4),
-    Config(64, 128, 64, 8, 4, 4),
     Config(128, 64, 64, 8, 4, 4),
 )
 # Under the interpreter (CPU tests) each program costs about the same whatever its tile: the first
