@@ -41,6 +41,7 @@ class CompiledState:
     trainable_params: int
     frozen_params: int
     memory_budget: object
+    persistent_bytes: int = 0
     patched: list[nn.Module] = field(default_factory=list)
     no_region_reason: str | None = None
 
@@ -52,7 +53,13 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> n
     ``save_pretrained`` and the user's optimizer keep working. Training calls (``model.train()``
     with gradients enabled) run loracc's compiled regions; every other call runs eagerly.
 
-    ``memory_budget``: ``None`` for the fastest plan. ``backend``: ``"auto"`` or ``"eager"``.
+    ``memory_budget``: what the forward may keep for the backward. ``None``: the fastest plan
+    (GEMMs and attention are never recomputed; norms, activations and casts are where that saves
+    bytes). A float in [0, 1]: that fraction of the bytes the fastest plan saves (0: only the block
+    inputs and dropout masks). A byte count (int) or a size string (``"8GB"``, ``"7.5GiB"``): a limit
+    on the whole step's predicted peak, weights, gradients and AdamW state included; if nothing fits,
+    the first training call raises ``LoraccError`` naming the smallest peak possible.
+    ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
     """
     if not isinstance(model, nn.Module):
         raise LoraccError(f"loracc.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -72,6 +79,7 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> n
     state = CompiledState(
         regions=[], backend=get_backend(backend, device), lora_layers=lora_layers,
         trainable_params=trainable, frozen_params=frozen, memory_budget=memory_budget,
+        persistent_bytes=persistent_bytes(model),
     )
     _install(model, state)
     model._loracc = state
@@ -128,6 +136,13 @@ def find_lora_layers(model: nn.Module) -> list[str]:
     return list(dict.fromkeys(layers))
 
 
+def persistent_bytes(model: nn.Module) -> int:
+    """What lives across steps: parameters and buffers, plus a gradient and AdamW's two states for
+    every trainable parameter (each tensor counted once)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+    return sum(t.numel() * t.element_size() * (4 if t.requires_grad else 1) for t in tensors)
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) element counts, each shared tensor counted once."""
     seen, trainable, frozen = set(), 0, 0
@@ -150,6 +165,7 @@ def _install(model: nn.Module, state: CompiledState) -> None:
             region = Region(
                 name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
                 kind="block", modules=paths, backend=state.backend, memory_budget=state.memory_budget,
+                reserved_bytes=_reserved_bytes(state),
             )
             state.regions.append(region)
             for (index, layer), path in zip(group, paths):
@@ -160,14 +176,28 @@ def _install(model: nn.Module, state: CompiledState) -> None:
         lm, base = head
         region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
                         modules=["norm", "lm_head", "loss"], backend=state.backend,
-                        memory_budget=state.memory_budget)
+                        memory_budget=state.memory_budget, reserved_bytes=_reserved_bytes(state))
         state.regions.append(region)
         _patch(state, lm, _HeadForward(region, lm, base))
     if not state.regions:
         region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
-                        memory_budget=state.memory_budget)
+                        memory_budget=state.memory_budget, reserved_bytes=_reserved_bytes(state))
         state.regions.append(region)
         _patch(state, model, _BlockForward(region, model, type(model).__name__))
+
+
+def _reserved_bytes(state: CompiledState):
+    """For a region's byte budget: the persistent bytes plus what the other regions save for the
+    backward, as far as they are compiled. Blocks compile before the head, so a block's plan does
+    not reserve what the head saves (with the fused loss: about two hidden-state tensors)."""
+
+    def reserved(region: Region) -> int:
+        others = [(r.latest, r.repeats) for r in state.regions if r is not region and r.latest is not None]
+        return state.persistent_bytes + sum(
+            p.reports["memory_plan"]["forward"]["saved_bytes"] * repeats for p, repeats in others
+        )
+
+    return reserved
 
 
 def _patch(state: CompiledState, module: nn.Module, forward) -> None:

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .dump import format_bytes
 from .errors import LoraccError
+from .pipeline import predicted_peak_bytes
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Report:
     trainable_params: int
     frozen_params: int
     backend: str
+    predicted_peak_bytes: int | None = None
     eager_parts: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -52,6 +55,9 @@ class Report:
                 lines.append(f"      recompiled: {reason}")
             for name, reason in r.unmatched_lora.items():
                 lines.append(f"      not fused: {name}: {reason}")
+        if self.predicted_peak_bytes is not None:
+            lines.append(f"predicted peak of a step: {format_bytes(self.predicted_peak_bytes)} "
+                         "(weights, gradients, AdamW state, saved activations, the largest region's workspace)")
         lines.append("eager: " + (", ".join(self.eager_parts) or "nothing"))
         if self.fallbacks:
             lines.append("fallbacks to eager:")
@@ -63,7 +69,13 @@ class Report:
 
 def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     """Report on a compiled model. With an example batch, one training forward is run first, so
-    that every region is captured and the report covers the graphs it would train with."""
+    that every region is captured and the report covers the graphs it would train with.
+
+    ``predicted_peak_bytes`` is the peak memory of a training step as planned before it runs:
+    weights, gradients and AdamW state, every region's saved values times its repeats, and the
+    largest region's forward or backward workspace (the eager glue and temporaries inside ops are
+    not counted); None until a training call compiled the regions.
+    """
     state = getattr(model, "_loracc", None)
     if state is None:
         raise LoraccError("loracc.explain needs a compiled model: call model = loracc.compile(model) first")
@@ -90,10 +102,12 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
         eager.append("everything outside the repeated blocks")
+    runs = [(r.latest, r.repeats) for r in state.regions if r.latest is not None]
     return Report(
         regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
         trainable_params=state.trainable_params, frozen_params=state.frozen_params,
         backend=state.backend.name, eager_parts=eager,
+        predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes) if runs else None,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -59,6 +60,7 @@ class Region:
     modules: list[str]
     backend: object
     memory_budget: object = None
+    reserved_bytes: Callable[["Region"], int] | None = None  # what the rest of the step holds
     programs: dict = field(default_factory=dict)
     captures: int = 0
     calls: int = 0
@@ -89,7 +91,10 @@ class Region:
     def _compile(self, module, path, signature, state, key):
         start = time.perf_counter()
         try:
-            program = compile_call(module, path, signature, state, self.backend, memory_budget=self.memory_budget)
+            program = compile_call(
+                module, path, signature, state, self.backend, memory_budget=self.memory_budget,
+                repeats=self.repeats, reserved_bytes=self.reserved_bytes(self) if self.reserved_bytes else None,
+            )
         except Unsupported as exc:
             self._fall_back(path, str(exc))
             self.programs[key] = None
@@ -117,6 +122,11 @@ class Region:
     def __deepcopy__(self, memo):
         # A region holds graphs, never weights: a deep copy of the model shares it.
         return self
+
+    @property
+    def repeats(self) -> int:
+        """How many times a step runs this region's program: every layer of a block region."""
+        return len(self.modules) if self.kind == "block" else 1
 
     @property
     def latest(self) -> Program | None:
