@@ -20,11 +20,17 @@ import torch
 
 Tensor = torch.Tensor
 
-CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk, plus as much again for the softmax
+CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 441 rows of a 152k vocabulary
 
 
 def chunk_rows_for(vocab: int, rows: int) -> int:
     return max(1, min(rows, CHUNK_BYTES // (4 * vocab)))
+
+
+def workspace_bytes(vocab: int, chunk_rows: int, dtype: torch.dtype) -> int:
+    """Peak temporaries of one chunk: the logits in the weight's dtype, their fp32 copy (reused for
+    the softmax), and the exponentials inside logsumexp."""
+    return chunk_rows * vocab * (torch.finfo(dtype).bits // 8 + 4 + 4)
 
 
 @torch.library.custom_op("loracc::linear_cross_entropy", mutates_args=())

@@ -68,3 +68,15 @@ def test_head_region_uses_the_fused_loss_with_padding_and_num_items():
     head = next(r for r in compiled._loracc.regions if r.kind == "head")
     targets = {n.target for n in head.latest.stages["forward"].graph.nodes}
     assert cross_entropy.LINEAR_CROSS_ENTROPY in targets
+
+
+def test_memory_plan_counts_the_chunk_temporaries():
+    pytest.importorskip("peft")
+    model, batch = presets.preset("llama")
+    loracc.compile(model)
+    model(**batch).loss.backward()
+    head = next(r for r in model._loracc.regions if r.kind == "head").latest
+    rows = batch["input_ids"].numel()
+    workspace = cross_entropy.workspace_bytes(model.config.vocab_size, rows, torch.float32)
+    assert workspace == rows * model.config.vocab_size * 12
+    assert head.reports["memory_plan"]["forward"]["peak_bytes"] >= workspace

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import cross_entropy
 from ..graph import info, output_values, role
 from . import PassResult
 
@@ -118,16 +119,26 @@ def buffers(nodes: list[fx.Node], outputs) -> list[Buffer]:
 
 def peak_bytes(nodes: list[fx.Node], outputs) -> int:
     """The most bytes the buffers of ``nodes`` hold at once, each from its node to its last use
-    (outputs: to the end)."""
+    (outputs: to the end), plus what an op allocates inside itself while it runs (``workspace_bytes``)."""
     delta = [0] * (len(nodes) + 2)
     for b in buffers(nodes, outputs):
         delta[b.first] += b.nbytes
         delta[b.last + 1] -= b.nbytes
+    workspace = [workspace_bytes(n) for n in nodes] + [0, 0]
     peak = held = 0
-    for step in delta:
+    for step, extra in zip(delta, workspace):
         held += step
-        peak = max(peak, held)
+        peak = max(peak, held + extra)
     return peak
+
+
+def workspace_bytes(node: fx.Node) -> int:
+    """Temporaries an op of loracc's holds inside itself (none for ATen ops, whose temporaries the
+    graph shows)."""
+    if node.op == "call_function" and node.target is cross_entropy.LINEAR_CROSS_ENTROPY:
+        hidden, weight, _, _, _, chunk_rows = node.args
+        return cross_entropy.workspace_bytes(weight.meta["val"].shape[0], chunk_rows, weight.meta["val"].dtype)
+    return 0
 
 
 def plan_offsets(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[int], int]:
