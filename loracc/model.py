@@ -158,6 +158,8 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def _install(model: nn.Module, state: CompiledState) -> None:
+    head = _causal_lm(model)
+    reserved = _reserved_bytes(state, head[0].config.vocab_size if head is not None else None)
     blocks = _find_block_lists(model)
     for list_path, owner, layers in blocks:
         for group in _group_layers(layers):
@@ -165,37 +167,45 @@ def _install(model: nn.Module, state: CompiledState) -> None:
             region = Region(
                 name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
                 kind="block", modules=paths, backend=state.backend, memory_budget=state.memory_budget,
-                reserved_bytes=_reserved_bytes(state),
+                reserved_bytes=reserved,
             )
             state.regions.append(region)
             for (index, layer), path in zip(group, paths):
                 _patch(state, layer, _BlockForward(region, layer, path))
         _patch_use_cache(state, owner)
-    head = _causal_lm(model)
     if head is not None:
         lm, base = head
         region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
                         modules=["norm", "lm_head", "loss"], backend=state.backend,
-                        memory_budget=state.memory_budget, reserved_bytes=_reserved_bytes(state))
+                        memory_budget=state.memory_budget, reserved_bytes=reserved)
         state.regions.append(region)
         _patch(state, lm, _HeadForward(region, lm, base))
     if not state.regions:
         region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
-                        memory_budget=state.memory_budget, reserved_bytes=_reserved_bytes(state))
+                        memory_budget=state.memory_budget, reserved_bytes=reserved)
         state.regions.append(region)
         _patch(state, model, _BlockForward(region, model, type(model).__name__))
 
 
-def _reserved_bytes(state: CompiledState):
-    """For a region's byte budget: the persistent bytes plus what the other regions save for the
-    backward, as far as they are compiled. Blocks compile before the head, so a block's plan does
-    not reserve what the head saves (with the fused loss: about two hidden-state tensors)."""
+def _reserved_bytes(state: CompiledState, head_vocab: int | None = None):
+    """For a region's byte budget: the persistent bytes, what the other compiled regions save for
+    the backward, and, for a block while the head is not compiled yet (blocks compile first), an
+    estimate of the fused head's share: its saved hidden state and hidden gradient, and one loss
+    chunk's temporaries (counted on top of the block's own workspace, although the two never coexist:
+    conservative). The head then plans against the exact bytes."""
 
-    def reserved(region: Region) -> int:
+    def reserved(region: Region, tensors: list) -> int:
         others = [(r.latest, r.repeats) for r in state.regions if r is not region and r.latest is not None]
-        return state.persistent_bytes + sum(
+        held = state.persistent_bytes + sum(
             p.reports["memory_plan"]["forward"]["saved_bytes"] * repeats for p, repeats in others
         )
+        head = next((r for r in state.regions if r.kind == "head"), None)
+        if region.kind == "block" and head is not None and head.latest is None and tensors and head_vocab:
+            hidden = tensors[0]
+            rows = hidden.numel() // hidden.shape[-1]
+            held += 2 * hidden.numel() * hidden.element_size() + cross_entropy.workspace_bytes(
+                head_vocab, cross_entropy.chunk_rows_for(head_vocab, rows), hidden.dtype)
+        return held
 
     return reserved
 

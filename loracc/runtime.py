@@ -60,7 +60,8 @@ class Region:
     modules: list[str]
     backend: object
     memory_budget: object = None
-    reserved_bytes: Callable[["Region"], int] | None = None  # what the rest of the step holds
+    # What the rest of the step holds while this region runs, given the region and the call's tensors.
+    reserved_bytes: Callable[["Region", list], int] | None = None
     programs: dict = field(default_factory=dict)
     captures: int = 0
     calls: int = 0
@@ -93,7 +94,7 @@ class Region:
         try:
             program = compile_call(
                 module, path, signature, state, self.backend, memory_budget=self.memory_budget,
-                repeats=self.repeats, reserved_bytes=self.reserved_bytes(self) if self.reserved_bytes else None,
+                repeats=self.repeats, reserved_bytes=self.reserved_bytes(self, signature.tensors) if self.reserved_bytes else None,
             )
         except Unsupported as exc:
             self._fall_back(path, str(exc))

@@ -141,8 +141,8 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
                 f"memory_budget {budget.limit_bytes / 2**30:.3f} GiB cannot be met: even recomputing everything "
                 f"possible in this region, the step needs about {peak / 2**30:.3f} GiB ({peak} bytes) with "
                 f"{repeats} run(s) of it, of which {reserved_bytes / 2**30:.3f} GiB are weights, gradients, "
-                f"optimizer state and what the regions planned before it save (a block region plans before "
-                f"the head and does not leave room for it); raise the budget, give a fraction such as "
+                f"optimizer state and what the other regions save (blocks plan before the head, with an "
+                f"estimate of the head's share); raise the budget, give a fraction such as "
                 f"memory_budget=0.1, or shorten the batch or the sequences"
             )
         report["predicted peak bytes"] = peak
