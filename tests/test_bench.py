@@ -130,7 +130,7 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
     readme = report.write_report([path], tmp_path).read_text()
     assert "**oom**: CUDA out of memory" in readme
     assert "ImportError: no module named \\| unsloth_zoo" in readme  # escaped, the table stays intact
-    assert "loracc is slower than the fastest peer (peft-compile): 1,500 vs 2,000 tokens/s (0.75×)" in readme
+    assert "loracc is slower than the fastest peer in this run (peft-compile): 1,500 vs 2,000 tokens/s (0.75×)" in readme
     assert "| peft-eager | 3.00 (1,000) | 9.00 (1,000) |" in readme  # peak GB (tokens/s) per length
     assert "| peft-eager | 512 | 1024 |" in readme  # longest within 8 GB, 24 GB
     assert "GPU X, 2026-01-01" in readme and "python benchmarks/bench.py --quick" in readme
