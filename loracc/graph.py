@@ -75,3 +75,14 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
 def output_values(gm: fx.GraphModule) -> list:
     args = output_node(gm).args[0]
     return list(args) if isinstance(args, (list, tuple)) else [args]
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes and loracc annotations a pass can rewrite without touching
+    ``gm`` (the stages kept for ``loracc dump`` stay as they were)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for old, new in zip(gm.graph.nodes, graph.nodes):
+        new.meta = {**old.meta, "loracc": dict(old.meta.get("loracc", {}))}
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

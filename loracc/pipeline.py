@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
-from .graph import placeholders, role
+from .graph import copy_graph, placeholders, role
 from .passes import FORWARD_PASSES, memory_plan, partition, remat
 from .passes.memory_plan import RegionMemory, step_peak_bytes, value_bytes
 
@@ -45,20 +45,20 @@ def compile_call(
     stages, reports = {}, {}
     captured = capture_forward(module, path, signature)
     gm = captured.gm
-    stages["captured"] = _snapshot(gm)
+    stages["captured"] = copy_graph(gm)
     for pass_ in FORWARD_PASSES:
         result = pass_(gm)
         gm = result.gm
-        stages[pass_.__name__] = _snapshot(gm)
+        stages[pass_.__name__] = copy_graph(gm)
         reports[pass_.__name__] = result.report
 
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
     n_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     joint = derive_joint(gm, needs_grad)
-    stages["joint"] = _snapshot(joint)
+    stages["joint"] = copy_graph(joint)
     reports["remat"] = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes).report
-    stages["remat"] = _snapshot(joint)
+    stages["remat"] = copy_graph(joint)
     result = partition(joint, n_outputs)
     reports["partition"] = result.report
     parts = result.gm
@@ -107,12 +107,3 @@ def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int)
         ))
     return step_peak_bytes(regions, persistent_bytes)
 
-
-def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` as it is now, so later passes rewriting it leave this stage intact."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    for old, new in zip(gm.graph.nodes, graph.nodes):
-        new.meta = {**old.meta, "loracc": dict(old.meta.get("loracc", {}))}
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import LoraccError
-from ..graph import info
+from ..graph import copy_graph, info
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from . import lora_linear
 
@@ -44,7 +44,7 @@ class TritonBackend:
         self.report: list[dict] = []
 
     def compile(self, gm: fx.GraphModule, stage: str):
-        gm = _copy(gm)
+        gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
                 continue
@@ -66,12 +66,3 @@ class TritonBackend:
             self.report.append(entry)
         gm.recompile()
         return gm
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` to rewrite, so the stage the pipeline keeps for ``loracc dump`` stays as it was."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda a: env[a])
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
