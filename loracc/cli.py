@@ -50,7 +50,7 @@ def load_model(spec: str, *, r: int = 8, targets=None, batch: int = 2, seq: int 
             f"model {spec!r} is neither a preset ({', '.join(presets.PRESETS)}), a local directory nor module:function"
         )
     model = model.to(device=device, dtype=DTYPES[dtype]) if dtype != "float32" or device != "cpu" else model
-    example = _to(example, device)
+    example = _to(example, device, DTYPES[dtype])
     return model.train(), example
 
 
@@ -71,11 +71,17 @@ def _load_hf_dir(path: str, *, r: int, targets, batch: int, seq: int):
     return model, presets.token_batch(vocab, batch, seq)
 
 
-def _to(example, device):
+def _to(example, device, dtype):
+    """The example batch on ``device``, its floating-point tensors in the model's ``dtype``."""
+    def move(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(device, dtype) if v.is_floating_point() else v.to(device)
+
     if isinstance(example, dict):
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+        return {k: move(v) for k, v in example.items()}
     if isinstance(example, (tuple, list)):
-        return type(example)(v.to(device) if isinstance(v, torch.Tensor) else v for v in example)
+        return type(example)(move(v) for v in example)
     return example
 
 

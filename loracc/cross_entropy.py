@@ -74,7 +74,7 @@ def _backward(ctx, grad_loss, _grad_of_grad_hidden):
             "no weight gradient: freeze lm_head, or keep the head out of loracc's fused loss"
         )
     (grad_hidden,) = ctx.saved_tensors
-    return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+    return (grad_hidden.float() * grad_loss.float()).to(grad_hidden.dtype), None, None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -352,7 +352,11 @@ class _Head(nn.Module):
 
     def forward(self, hidden_states, labels, num_items_in_batch=None):
         hidden = self.norm(hidden_states)
-        if not self.fused:
+        device = hidden.device.type
+        compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        # fp16 keeps the eager path: its loss scaler's factor reaches the hidden gradient only in the
+        # backward, after the fused op would have rounded the unscaled gradient to fp16.
+        if not self.fused or compute_dtype == torch.float16:
             logits = self.lm_head(hidden)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
                                       num_items_in_batch=num_items_in_batch)
@@ -361,9 +365,8 @@ class _Head(nn.Module):
         # sum over num_items_in_batch when the Trainer accumulates gradients.
         targets = torch.nn.functional.pad(labels, (0, 1), value=self.IGNORE_INDEX)[..., 1:].reshape(-1)
         flat, weight = hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight
-        if torch.is_autocast_enabled(flat.device.type):  # as autocast runs the eager lm_head
-            dtype = torch.get_autocast_dtype(flat.device.type)
-            flat, weight = flat.to(dtype), weight.to(dtype)
+        if torch.is_autocast_enabled(device):  # as autocast runs the eager lm_head
+            flat, weight = flat.to(compute_dtype), weight.to(compute_dtype)
         count = num_items_in_batch if num_items_in_batch is not None else (targets != self.IGNORE_INDEX).sum()
         loss, _ = cross_entropy.linear_cross_entropy(
             flat, weight, targets, count, self.IGNORE_INDEX,
@@ -390,6 +393,8 @@ class _HeadForward:
 
     def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module):
         self.region, self.lm, self.decoder = region, lm, decoder
+        self.signature = inspect.signature(type(lm).forward)
+        self.head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size, _fusable_loss(lm))
 
     @property
     def __signature__(self):
@@ -399,7 +404,7 @@ class _HeadForward:
         lm, decoder = self.lm, self.decoder
         eager = type(lm).forward.__get__(lm)
         try:
-            bound = inspect.signature(type(lm).forward).bind(lm, *args, **kwargs)
+            bound = self.signature.bind(lm, *args, **kwargs)
         except TypeError:
             return eager(*args, **kwargs)
         call = dict(bound.arguments)
@@ -419,8 +424,8 @@ class _HeadForward:
         items = call.get("num_items_in_batch")
         if items is not None and not isinstance(items, torch.Tensor):
             items = torch.tensor(items, device=labels.device)
-        head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size, _fusable_loss(lm))
-        head.train(lm.training)
+        head = self.head
+        head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
         loss, logits = self.region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
                                        {"num_items_in_batch": items} if items is not None else {})
         return CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -50,3 +50,8 @@ def test_module_function_source(tmp_path, capsys, monkeypatch):
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["explain", "not-a-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_dtype_option_casts_the_example_batch(capsys):
+    assert main(["explain", "plain", "--dtype", "bfloat16"]) == 0
+    assert "6 matched" in capsys.readouterr().out

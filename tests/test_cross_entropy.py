@@ -80,3 +80,23 @@ def test_memory_plan_counts_the_chunk_temporaries():
     workspace = cross_entropy.workspace_bytes(model.config.vocab_size, rows, torch.float32)
     assert workspace == rows * model.config.vocab_size * 12
     assert head.reports["memory_plan"]["forward"]["peak_bytes"] >= workspace
+
+
+def test_fp16_autocast_keeps_the_eager_head():
+    pytest.importorskip("peft")
+    model, batch = presets.preset("llama")
+    loracc.compile(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(**batch).loss.backward()
+    head = next(r for r in model._loracc.regions if r.kind == "head")
+    targets = {n.target for n in head.latest.stages["forward"].graph.nodes}
+    assert cross_entropy.LINEAR_CROSS_ENTROPY not in targets
+
+
+def test_scaled_loss_gradient_does_not_overflow_the_hidden_dtype():
+    hidden = torch.randn(9, 8, dtype=torch.float16, requires_grad=True)
+    labels = torch.randint(0, 13, (9,))
+    loss, _ = cross_entropy.linear_cross_entropy(hidden, torch.randn(13, 8, dtype=torch.float16), labels,
+                                                 torch.tensor(9), -100, 4)
+    (loss * 65536.0).backward()  # a loss scaler's factor, larger than fp16's largest value
+    assert torch.isfinite(hidden.grad).all()

@@ -139,7 +139,7 @@ def entries() -> list[Entry]:
     for meta_path in sorted((cache_dir() / "kernels").glob("*.json")):
         meta = read_json(meta_path)
         source_path = meta_path.with_suffix(".py")
-        if meta and _source_ok(source_path, meta):
+        if meta and "name" in meta and "key" in meta and _source_ok(source_path, meta):
             found.append(Entry(meta["name"], meta["key"], source_path, meta))
     return found
 

@@ -42,7 +42,7 @@ def listing(show: str | None = None, autotune: bool = False) -> str:
         lines.append(f"autotuning choices: {len(records)}")
         for path in records:
             record = cache.read_json(path)
-            if record:
+            if record and isinstance(record.get("description"), dict):
                 d = record["description"]
-                lines.append(f"  {d.get('kernel')} rows<={d.get('rows')} [{d.get('device')}]: {record['choice']}")
+                lines.append(f"  {d.get('kernel')} rows<={d.get('rows')} [{d.get('device')}]: {record.get('choice')}")
     return "\n".join(lines)

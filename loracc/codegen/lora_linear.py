@@ -29,7 +29,7 @@ import torch
 
 from ..ops import or_empty
 from . import autotune
-from .lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
+from .lora_gemm import DTYPE_NAMES, GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
 
 Tensor = torch.Tensor
 
@@ -146,8 +146,8 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a
     grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, scale, flags)
     args = (gy2, lin2, grad_u, lora_a, lora_b, scale)
     key = _key("lora_linear_grad_adapters", *args[:-1])
-    impl = _plans.get(key) or _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}",
-                                    ADAPTER_GRADS, args, lora_a.dtype)
+    impl = _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}",
+                 ADAPTER_GRADS, args, lora_a.dtype)
     grad_a, grad_b = impl(*args)
     lead = grad_y.shape[:-1]
     return (
@@ -182,7 +182,7 @@ def _grad_input(gy2, weight, lora_a, lora_b, scale, flags):
             impls = {**_template_impls(gemm, _grad_input_template), **impls}
             name = gemm.name
         else:
-            name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{flags}"
+            name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}_{flags}"
         impl = _plan(key, name, impls, args, lora_a.dtype)
     return impl(*args)
 

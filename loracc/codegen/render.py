@@ -18,7 +18,7 @@ import loracc
 def template_dir():
     """Where the templates are: ``templates/`` of a source tree, else the installed ``loracc.templates``."""
     source_tree = Path(loracc.__file__).resolve().parent.parent / "templates"
-    if source_tree.is_dir():
+    if (source_tree / "lora_gemm.py.jinja").is_file():  # not any folder named templates beside the package
         return source_tree
     return importlib.resources.files("loracc.templates")
 
