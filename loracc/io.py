@@ -105,8 +105,9 @@ def save_adapter(model: nn.Module, directory, **save_kwargs) -> Path:
     """Save a PEFT model's adapter to ``directory`` in PEFT's format, atomically.
 
     The adapter is written by PEFT's ``save_pretrained`` into a temporary directory beside
-    ``directory``, flushed to disk, and swapped in by renames: at any moment ``directory`` is the
-    old adapter or the new one, never a half-written mix. An existing ``directory`` must be empty or
+    ``directory``, flushed to disk, and swapped in by two renames (the old adapter aside, the new
+    one in): ``directory`` is never a half-written mix; between the renames it is briefly absent,
+    and if the second rename fails the old adapter is put back. An existing ``directory`` must be empty or
     hold an adapter (its ``adapter_config.json``); it is replaced as a whole.
     """
     if not hasattr(model, "save_pretrained") or not hasattr(model, "peft_config"):
@@ -308,5 +309,9 @@ def _swap_in(staging: Path, directory: Path) -> None:
         return
     old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
     os.rename(directory, old / directory.name)
-    os.rename(staging, directory)
+    try:
+        os.rename(staging, directory)
+    except OSError:
+        os.rename(old / directory.name, directory)
+        raise
     shutil.rmtree(old, ignore_errors=True)
