@@ -111,7 +111,7 @@ def _budget(text):
 
 
 def cmd_dump(args) -> None:
-    from .dump import dump_program
+    from .dump import dump_program, memory_timeline, timeline_text
 
     model = _compiled(args)
     regions = model._loracc.regions
@@ -124,6 +124,13 @@ def cmd_dump(args) -> None:
             print(f"# {region.name}: not compiled ({'; '.join(f.reason for f in region.fallbacks) or 'never called'})")
             continue
         out_dir = Path(args.out) / f"region{index}_{region.kind}" if args.out else None
+        if args.memory:
+            timeline = memory_timeline(program, region.repeats)
+            print(f"# {region.name}: memory over the step, before and after rematerialization\n" + timeline_text(timeline))
+            if out_dir is not None:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / "memory.json").write_text(json.dumps(timeline))
+            continue
         text = dump_program(program, region.name, out_dir)
         stages = args.stage.split(",") if args.stage else None
         if stages:
@@ -161,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--region", default=None, help="kind (block, head, model) or part of a region's name")
     dump.add_argument("--stage", default=None, help="comma-separated stages to print (default: all)")
     dump.add_argument("--out", default=None, help="directory for DOT and JSON files")
+    dump.add_argument("--memory", action="store_true",
+                      help="plot the region's memory over the step, before and after rematerialization")
     dump.set_defaults(func=cmd_dump)
     explain = sub.add_parser("explain", help="regions, matched LoRA layers, fallbacks, parameter counts")
     _add_model_args(explain)

@@ -130,3 +130,67 @@ def dump_program(program, title: str, out_dir: Path | None = None) -> str:
     for name, report in extra.items():
         parts.append(f"# {name} report: {json.dumps(report, default=str)}")
     return "\n\n".join(parts)
+
+
+def live_bytes(gm: fx.GraphModule, held: int = 0) -> list[int]:
+    """Bytes the buffers ``gm`` allocates hold after each node runs (each freed after its last use),
+    on top of ``held``."""
+    from .graph import output_values
+    from .passes.memory_plan import buffers, workspace_bytes
+
+    nodes = list(gm.graph.nodes)
+    delta = [0] * (len(nodes) + 2)  # outputs stay alive to the end (position len(nodes))
+    for b in buffers(nodes, output_values(gm)):
+        delta[b.first] += b.nbytes
+        delta[b.last + 1] -= b.nbytes
+    curve, live = [], held
+    for node, step in zip(nodes, delta):
+        live += step
+        curve.append(live + workspace_bytes(node))
+    return curve
+
+
+def memory_timeline(program, repeats: int = 1) -> dict[str, list[int]]:
+    """A region's memory over a step that runs it ``repeats`` times (a block: once per layer), before
+    and after rematerialization: the forwards one after another, each adding what it saves for the
+    backward, then the backwards in reverse, each freeing its layer's saved values.
+
+    ``before``: the joint graph as traced (every forward value the backward reads is kept).
+    ``after``: the compiled forward and backward graphs.
+    """
+    joint = program.stages["joint"]
+    nodes = list(joint.graph.nodes)
+    split = next((i for i, n in enumerate(nodes) if n.op == "call_function" and info(n).get("phase") == "backward"),
+                 len(nodes))
+    kept = sum(node_bytes(n) for n in nodes[:split]
+               if n.op == "call_function" and any(info(u).get("phase") == "backward" for u in n.users))
+    joint_curve = live_bytes(joint)
+    saved = program.reports["memory_plan"]["forward"]["saved_bytes"]
+    forward, backward = live_bytes(program.stages["forward"]), live_bytes(program.stages["backward"])
+    return {
+        "before": _step(joint_curve[:split], [b - kept for b in joint_curve[split:]], kept, repeats),
+        "after": _step(forward, backward, saved, repeats),
+    }
+
+
+def _step(forward: list[int], backward: list[int], saved: int, repeats: int) -> list[int]:
+    curve = []
+    for layer in range(repeats):
+        curve += [b + layer * saved for b in forward]
+    for layer in reversed(range(repeats)):
+        curve += [b + (layer + 1) * saved for b in backward]
+    return curve
+
+
+def timeline_text(timeline: dict[str, list[int]], width: int = 60, height: int = 12) -> str:
+    """Both curves of ``memory_timeline`` as a text chart, time across, bytes up."""
+    top = max(max(c) for c in timeline.values()) or 1
+    lines = []
+    for name, curve in timeline.items():
+        columns = [max(curve[i * len(curve) // width:(i + 1) * len(curve) // width] or [0]) for i in range(width)]
+        lines.append(f"{name}: peak {format_bytes(max(curve))} over {len(curve)} ops")
+        for row in range(height, 0, -1):
+            level = top * (row - 0.5) / height
+            lines.append("  |" + "".join("#" if c >= level else " " for c in columns))
+        lines.append("  +" + "-" * width)
+    return "\n".join(lines)

@@ -55,3 +55,14 @@ def test_unknown_model_is_a_clear_error(capsys):
 def test_dtype_option_casts_the_example_batch(capsys):
     assert main(["explain", "plain", "--dtype", "bfloat16"]) == 0
     assert "6 matched" in capsys.readouterr().out
+
+
+def test_dump_memory_plots_the_step_before_and_after_remat(tmp_path, capsys):
+    pytest.importorskip("peft")
+    assert main(["dump", "llama", "--region", "block", "--seq", "64", "--memory", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "before: peak" in text and "after: peak" in text and "###" in text
+    timeline = json.loads(next(tmp_path.glob("*/memory.json")).read_text())
+    # The fastest plan saves less than everything the backward reads, over both layers.
+    assert max(timeline["after"]) < max(timeline["before"])
+    assert len(timeline["after"]) > len(timeline["before"]) / 2
