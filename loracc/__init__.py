@@ -13,4 +13,16 @@ from .model import compile, uncompile
 from .report import Report, explain
 
 __version__ = "0.1.0"
-__all__ = ["compile", "uncompile", "explain", "Report", "LoRALinear", "LoraccError", "Unsupported"]
+__all__ = ["compile", "uncompile", "explain", "verbose", "Report", "LoRALinear", "LoraccError", "Unsupported"]
+
+
+def verbose(on: bool = True) -> None:
+    """Show loracc's progress (regions compiled, kernels autotuned or taken from the cache) on stderr."""
+    import logging
+
+    logger = logging.getLogger("loracc")
+    logger.setLevel(logging.INFO if on else logging.WARNING)
+    if on and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("loracc: %(message)s"))
+        logger.addHandler(handler)

@@ -9,6 +9,7 @@ generation), run the module's original eager forward.
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from .errors import Unsupported
 from .pipeline import Program, compile_call
 
 RECOMPILE_WARNING_AT = 8
+# Progress (regions compiled, kernels autotuned or found in the cache) is logged at INFO level:
+# quiet by default; logging.basicConfig(level=logging.INFO) or loracc.verbose() shows it.
+log = logging.getLogger("loracc")
 
 
 class _RegionFunction(torch.autograd.Function):
@@ -90,6 +94,7 @@ class Region:
         return program.captured.rebuild_output(outputs)
 
     def _compile(self, module, path, signature, state, key):
+        log.info("compiling region %s for %s", self.name, _describe_shapes(signature.tensors))
         start = time.perf_counter()
         try:
             program = compile_call(
@@ -101,6 +106,8 @@ class Region:
             self.programs[key] = None
             return None
         self.compile_seconds += time.perf_counter() - start
+        log.info("compiled region %s in %.2f s (%s LoRA layers fused)", self.name, time.perf_counter() - start,
+                 program.reports.get("lora_match", {}).get("matched", 0))
         if self.programs:
             self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
         self.programs[key] = program
@@ -133,6 +140,10 @@ class Region:
     def latest(self) -> Program | None:
         programs = [p for p in self.programs.values() if p is not None]
         return programs[-1] if programs else None
+
+
+def _describe_shapes(tensors) -> str:
+    return ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in tensors) or "no tensor arguments"
 
 
 def _autocast_key(tensors) -> tuple:

@@ -174,3 +174,17 @@ def test_compiled_forward_keeps_the_signature():
     lm = compiled.get_base_model()
     assert "input_ids" in inspect.signature(lm.forward).parameters
     assert "hidden_states" in inspect.signature(lm.model.layers[0].forward).parameters
+
+
+def test_progress_is_logged_quietly_by_default(caplog, capsys):
+    import logging
+
+    _, compiled, batch = _compiled()
+    with caplog.at_level(logging.INFO, logger="loracc"):
+        compiled(**batch).loss.backward()
+    messages = [r.getMessage() for r in caplog.records if r.name == "loracc"]
+    assert any(m.startswith("compiling region") for m in messages)
+    assert any("LoRA layers fused" in m for m in messages)
+    _, quiet, batch = _compiled()
+    quiet(**batch).loss.backward()
+    assert "loracc" not in capsys.readouterr().err

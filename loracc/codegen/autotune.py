@@ -11,11 +11,14 @@ kept in the record. Under the Triton interpreter nothing is timed: the first can
 from __future__ import annotations
 
 import json
+import logging
 from typing import Callable
 
 import torch
 
 from . import cache
+
+log = logging.getLogger("loracc")
 
 _chosen: dict[str, str] = {}
 # What each timed choice was, for ``loracc kernels`` and the backend's report (in this process).
@@ -43,6 +46,7 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
         cache.store_choice(full, choice, timings)
         record = {"timings_ms": timings}
     _chosen[memo_key] = choice
+    log.info("kernel %s (rows <= %s): %s (%s)", description.get("kernel"), description.get("rows"), choice, source)
     decisions[memo_key] = {**description, "choice": choice, "source": source,
                            "timings_ms": (record or {}).get("timings_ms", {})}
     return choice
