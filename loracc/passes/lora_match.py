@@ -145,7 +145,11 @@ def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_
         if layer.endswith(suffix):
             layer = layer[: -len(suffix)]
             break
-    info(fused).update(role="activation", phase="forward", module=layer, lora_layer=layer)
+    # The full path of the LoRA module (the sum is computed inside it); "custom" is what tracing the
+    # joint graph reads back as the node's source module.
+    module = info(end).get("module") or layer
+    fused.meta["custom"] = {"module": module}
+    info(fused).update(role="activation", phase="forward", module=module, lora_layer=layer)
     end.replace_all_uses_with(fused)
     return layer
 
