@@ -2,7 +2,7 @@
 
 One line a node, in execution order::
 
-    mm_3: bf16[8, 13, 64] = aten.mm(view_2, t_1)      # activation, forward, layers.#.mlp, 6.5 KiB, saved
+    add_1: float32[2, 4, 32, 16] = aten.add(mul_2, mul_3)    # activation, forward, model.layers.1.self_attn, 16.0 KiB, saved
 
 with the node's role, phase, source module, bytes and its ``saved``/``recomputed`` marks.
 """
@@ -133,21 +133,11 @@ def dump_program(program, title: str, out_dir: Path | None = None) -> str:
 
 
 def live_bytes(gm: fx.GraphModule, held: int = 0) -> list[int]:
-    """Bytes the buffers ``gm`` allocates hold after each node runs (each freed after its last use),
-    on top of ``held``."""
+    """``memory_plan.live_bytes`` of ``gm``'s nodes, on top of ``held``."""
     from .graph import output_values
-    from .passes.memory_plan import buffers, workspace_bytes
+    from .passes.memory_plan import live_bytes as node_live_bytes
 
-    nodes = list(gm.graph.nodes)
-    delta = [0] * (len(nodes) + 2)  # outputs stay alive to the end (position len(nodes))
-    for b in buffers(nodes, output_values(gm)):
-        delta[b.first] += b.nbytes
-        delta[b.last + 1] -= b.nbytes
-    curve, live = [], held
-    for node, step in zip(nodes, delta):
-        live += step
-        curve.append(live + workspace_bytes(node))
-    return curve
+    return [b + held for b in node_live_bytes(list(gm.graph.nodes), output_values(gm))]
 
 
 def memory_timeline(program, repeats: int = 1) -> dict[str, list[int]]:

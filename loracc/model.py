@@ -43,7 +43,6 @@ class CompiledState:
     memory_budget: object
     persistent_bytes: int = 0
     patched: list[nn.Module] = field(default_factory=list)
-    no_region_reason: str | None = None
 
 
 def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> nn.Module:

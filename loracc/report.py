@@ -73,8 +73,9 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
 
     ``predicted_peak_bytes`` is the peak memory of a training step as planned before it runs:
     weights, gradients and AdamW state, every region's saved values times its repeats, and the
-    largest region's forward or backward workspace (the eager glue and temporaries inside ops are
-    not counted); None until a training call compiled the regions.
+    largest region's forward or backward workspace, including the fused loss's chunk temporaries
+    (the eager glue and temporaries inside ATen ops are not counted); None until a training call
+    compiled the regions.
     """
     state = getattr(model, "_loracc", None)
     if state is None:

@@ -117,19 +117,23 @@ def buffers(nodes: list[fx.Node], outputs) -> list[Buffer]:
     return found
 
 
-def peak_bytes(nodes: list[fx.Node], outputs) -> int:
-    """The most bytes the buffers of ``nodes`` hold at once, each from its node to its last use
-    (outputs: to the end), plus what an op allocates inside itself while it runs (``workspace_bytes``)."""
+def live_bytes(nodes: list[fx.Node], outputs) -> list[int]:
+    """Bytes held while each node of ``nodes`` runs: the buffers alive then, each from its node to
+    its last use (outputs: to the end), plus what the node allocates inside itself (``workspace_bytes``)."""
     delta = [0] * (len(nodes) + 2)
     for b in buffers(nodes, outputs):
         delta[b.first] += b.nbytes
         delta[b.last + 1] -= b.nbytes
-    workspace = [workspace_bytes(n) for n in nodes] + [0, 0]
-    peak = held = 0
-    for step, extra in zip(delta, workspace):
+    curve, held = [], 0
+    for node, step in zip(nodes, delta):
         held += step
-        peak = max(peak, held + extra)
-    return peak
+        curve.append(held + workspace_bytes(node))
+    return curve
+
+
+def peak_bytes(nodes: list[fx.Node], outputs) -> int:
+    """The most bytes ``nodes`` hold at once (see ``live_bytes``)."""
+    return max(live_bytes(nodes, outputs), default=0)
 
 
 def workspace_bytes(node: fx.Node) -> int:
