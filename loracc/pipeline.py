@@ -1,4 +1,4 @@
-"""The pipeline for one region call: capture → forward passes → joint → remat → partition → memory plan → codegen.
+"""The pipeline for one region call: capture → forward passes → joint → remat → partition → fusion → memory plan → codegen.
 
 ``compile_call`` returns a ``Program``: the two callables the runtime runs, plus every stage's graph
 and every pass's report, for ``loracc dump`` and ``loracc.explain``.
@@ -13,7 +13,7 @@ from torch import nn
 
 from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
 from .graph import copy_graph, placeholders, role
-from .passes import FORWARD_PASSES, memory_plan, partition, remat
+from .passes import FORWARD_PASSES, fusion, memory_plan, partition, remat
 from .passes.memory_plan import RegionMemory, step_peak_bytes, value_bytes
 
 
@@ -62,14 +62,17 @@ def compile_call(
     result = partition(joint, n_outputs)
     reports["partition"] = result.report
     parts = result.gm
-    memory = {}
+    memory, fused = {}, {}
     for stage, graph in (("forward", parts.forward), ("backward", parts.backward)):
-        planned = memory_plan(graph)
+        grouped = fusion(graph)
+        fused[stage] = grouped.report
+        planned = memory_plan(grouped.gm)
         stages[stage] = planned.gm
         memory[stage] = planned.report
     # The forward and the backward never run at once: one arena serves both, and every layer.
     memory["arena_bytes"] = max(memory["forward"]["arena_bytes"], memory["backward"]["arena_bytes"])
     memory["tangent_bytes"] = sum(value_bytes(t.meta.get("val")) for t in placeholders(joint) if role(t) == "tangent")
+    reports["fusion"] = fused
     reports["memory_plan"] = memory
 
     out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]

@@ -1,8 +1,9 @@
-"""The ``triton`` backend: the optimized graph with its LoRA ops run by fused Triton kernels.
+"""The ``triton`` backend: the optimized graph with its LoRA ops and fused groups run by Triton kernels.
 
 Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case the kernels cover
 (see ``lora_linear.unsupported``) calls ``lora_linear.lora_linear`` / ``lora_linear_backward``
-instead; every other node stays an ATen op. A node the kernels do not cover keeps the reference
+instead; every group the ``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
+(``fused_rows.RowKernel``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch.fx as fx
 from ..errors import LoraccError
 from ..graph import copy_graph, info
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
-from . import lora_linear
+from ..passes.fusion import FusedRows
+from . import fused_rows, lora_linear
 
 
 def available(device: torch.device) -> str | None:
@@ -46,6 +48,12 @@ class TritonBackend:
     def compile(self, gm: fx.GraphModule, stage: str):
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
         for node in gm.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, FusedRows):
+                kernel = fused_rows.kernel_for(node.target)
+                node.target = kernel
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
+                                    "runs": f"generated kernel {kernel.name}"})
+                continue
             if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
                 continue
             vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]

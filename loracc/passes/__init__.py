@@ -24,6 +24,7 @@ class PassResult:
 
 
 from .cleanup import cleanup  # noqa: E402
+from .fusion import fusion  # noqa: E402
 from .lora_match import lora_match  # noqa: E402
 from .memory_plan import memory_plan  # noqa: E402
 from .partition import partition  # noqa: E402
@@ -31,4 +32,4 @@ from .remat import remat  # noqa: E402
 
 FORWARD_PASSES = [cleanup, lora_match]
 
-__all__ = ["PassResult", "FORWARD_PASSES", "cleanup", "lora_match", "remat", "partition", "memory_plan"]
+__all__ = ["PassResult", "FORWARD_PASSES", "cleanup", "lora_match", "remat", "partition", "fusion", "memory_plan"]

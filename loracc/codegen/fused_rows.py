@@ -1,0 +1,371 @@
+"""A fused group of pointwise ops and row reductions (``passes.fusion.FusedRows``) as one Triton kernel.
+
+The kernel (``templates/fused_rows.py.jinja``) gives each program ``BLOCK_R`` rows of the group's
+frame and whole rows of ``BLOCK_D`` columns. Every value of the group is an expression of the
+column index: a value at column ``c`` of ``x`` (``x[..., c]``) is emitted once per column offset
+it is read at, so data moves along the last dim (slices, ``cat``, ``slice_backward``: rotary
+embeddings) are index shifts of loads, never copies; a row reduction is ``tl.sum``/``tl.max`` over
+the program's columns; a value of width 1 is one number per row. Inputs are read through their
+strides (broadcast dims read stride 0), outputs are written with the strides the graph recorded
+for them. Values in 16-bit dtypes are computed in fp32 and rounded to their dtype after each op,
+as the eager ops do.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..graph import output_node
+from ..passes.fusion import FusedRows
+from . import cache
+from .render import render
+
+aten = torch.ops.aten
+TL_DTYPES = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
+ROUNDED = (torch.bfloat16, torch.float16)
+SQRT_2_OVER_PI = 0.7978845608028654
+ELEMENTS_PER_PROGRAM = 4096
+
+
+def _lit(x) -> str:
+    if isinstance(x, bool):
+        return "1.0" if x else "0.0"
+    if isinstance(x, (int, float)):
+        x = float(x)
+        return repr(x) if math.isfinite(x) else f'float("{x}")'
+    raise NotImplementedError(f"scalar argument {x!r}")
+
+
+def _pow(a: str, e) -> str:
+    e = float(e)
+    if e.is_integer() and -4 <= e <= 4:
+        e = int(e)
+        if e == 0:
+            return "1.0"
+        product = " * ".join([a] * abs(e))
+        return product if e > 0 else f"1.0 / ({product})"
+    if e == 0.5:
+        return f"tl.sqrt_rn({a})"
+    if e == -0.5:
+        return f"(1.0 / tl.sqrt_rn({a}))"
+    return f"tl.exp({_lit(e)} * tl.log({a}))"
+
+
+def _gelu(a: str, approximate: str) -> str:
+    if approximate == "tanh":
+        inner = f"{SQRT_2_OVER_PI} * ({a} + 0.044715 * {a} * {a} * {a})"
+        return f"0.5 * {a} * (1.0 + (2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0))"
+    return f"0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476))"
+
+
+# op → (args, kwargs) → expression; tensor arguments come as variable names, scalars as literals.
+POINTWISE = {
+    aten.add.Tensor: lambda a, b, alpha=1.0: f"{a} + {b}" if float(alpha) == 1 else f"{a} + {_lit(alpha)} * {b}",
+    aten.sub.Tensor: lambda a, b, alpha=1.0: f"{a} - {b}" if float(alpha) == 1 else f"{a} - {_lit(alpha)} * {b}",
+    aten.rsub.Scalar: lambda a, b, alpha=1.0: f"{b} - {_lit(alpha)} * {a}",
+    aten.mul.Tensor: lambda a, b: f"{a} * {b}",
+    aten.div.Tensor: lambda a, b: f"{a} / {b}",
+    aten.neg.default: lambda a: f"-{a}",
+    aten.reciprocal.default: lambda a: f"1.0 / {a}",
+    aten.rsqrt.default: lambda a: f"tl.rsqrt({a})",
+    aten.sqrt.default: lambda a: f"tl.sqrt_rn({a})",
+    aten.exp.default: lambda a: f"tl.exp({a})",
+    aten.log.default: lambda a: f"tl.log({a})",
+    aten.abs.default: lambda a: f"tl.abs({a})",
+    aten.sigmoid.default: lambda a: f"tl.sigmoid({a})",
+    aten.tanh.default: lambda a: f"2.0 * tl.sigmoid(2.0 * {a}) - 1.0",
+    aten.silu.default: lambda a: f"{a} * tl.sigmoid({a})",
+    aten.relu.default: lambda a: f"tl.where({a} > 0.0, {a}, 0.0)",
+    aten.gelu.default: lambda a, approximate="none": _gelu(a, approximate),
+    aten.pow.Tensor_Scalar: lambda a, e: _pow(a, e),
+    aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b})",
+    aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b})",
+    aten.where.self: lambda c, a, b: f"tl.where({c}, {a}, {b})",
+    aten.sigmoid_backward.default: lambda g, y: f"{g} * {y} * (1.0 - {y})",
+    aten.tanh_backward.default: lambda g, y: f"{g} * (1.0 - {y} * {y})",
+    aten.threshold_backward.default: lambda g, x, t: f"tl.where({x} <= {t}, 0.0, {g})",
+}
+for _op, _base in ((aten.add.Scalar, aten.add.Tensor), (aten.sub.Scalar, aten.sub.Tensor),
+                   (aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor)):
+    POINTWISE[_op] = POINTWISE[_base]
+IDENTITY = (aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default, aten.expand.default)
+
+
+def _width(val) -> int:
+    return val.shape[-1] if isinstance(val, torch.Tensor) and val.ndim else 1
+
+
+class _Emitter:
+    """Writes the kernel body: loads, one line per value at each column offset it is read at, stores."""
+
+    def __init__(self, group: FusedRows, block_d: int):
+        self.group = group
+        self.rows = group.rows
+        self.block_d = block_d
+        self.inputs = {n: i for i, n in enumerate(group.graph.graph.find_nodes(op="placeholder"))}
+        self.lines: list[str] = []
+        self.memo: dict[tuple, str] = {}
+        self.strides: list[str] = []  # run-time stride arguments, in signature order
+        self.stride_of: list[tuple[str, int, int]] = []  # (operand kind, operand index, dim)
+        self.row_offset: dict[str, str] = {}
+        self.offsets_emitted: set[int] = set()
+
+    # --- operands -----------------------------------------------------------------------------
+    def _stride(self, pointer: str, kind: str, index: int, dim: int) -> str:
+        name = f"{pointer}_s{dim}"
+        if name not in self.strides:
+            self.strides.append(name)
+            self.stride_of.append((kind, index, dim))
+        return name
+
+    def _row_offset(self, pointer: str, kind: str, index: int, val: torch.Tensor) -> str:
+        """``pointer``'s offset of the program's rows: the frame's row indices times its strides."""
+        if pointer in self.row_offset:
+            return self.row_offset[pointer]
+        lead = val.shape[:-1]  # right-aligned with the frame's rows
+        terms = []
+        for d, size in enumerate(lead):
+            if size == 1:
+                continue  # broadcast along this dim
+            frame_dim = len(self.rows) - len(lead) + d
+            terms.append(f"i{frame_dim} * {self._stride(pointer, kind, index, d)}")
+        name = f"{pointer}_row"
+        self.lines.append(f"{name} = {' + '.join(terms) if terms else '0'}")
+        self.row_offset[pointer] = name
+        return name
+
+    def column(self, shift: int) -> str:
+        """The variable for column index ``cols + shift``."""
+        if shift == 0:
+            return "cols"
+        name = f"c_{'p' if shift > 0 else 'm'}{abs(shift)}"
+        if shift not in self.offsets_emitted:
+            self.offsets_emitted.add(shift)
+            self.lines.append(f"{name} = cols {'+' if shift > 0 else '-'} {abs(shift)}")
+        return name
+
+    def load(self, node: fx.Node, shift: int | None) -> str:
+        index = self.inputs[node]
+        val = node.meta["val"]
+        pointer = f"in{index}"
+        if val.ndim == 0:
+            offset, mask = "0", None
+        else:
+            row = self._row_offset(pointer, "in", index, val)
+            if _width(val) == 1:
+                offset, mask = row, "row_ok"
+            else:
+                col = self.column(shift)
+                bounds = f"({col} < {val.shape[-1]})" if shift == 0 else f"({col} >= 0) & ({col} < {val.shape[-1]})"
+                offset = f"{row} + {col} * {self._stride(pointer, 'in', index, val.ndim - 1)}"
+                mask = f"row_ok & {bounds}"
+        other = "0" if val.dtype == torch.bool else "0.0"
+        load = f"tl.load({pointer} + {offset}" + (f", mask={mask}, other={other})" if mask else ")")
+        return load if val.dtype == torch.bool else f"{load}.to(tl.float32)"
+
+    # --- values -------------------------------------------------------------------------------
+    def value(self, node, shift: int | None) -> str:
+        """The variable holding ``node[..., cols + shift]`` (or its one value per row: width 1)."""
+        if not isinstance(node, fx.Node):
+            return _lit(node)
+        if _width(node.meta["val"]) == 1:
+            shift = None
+        elif shift is None:
+            raise AssertionError(f"{node.name} is read as one value per row but has {_width(node.meta['val'])} columns")
+        key = (node, shift)
+        if key in self.memo:
+            return self.memo[key]
+        if node.op == "placeholder":
+            expression = self.load(node, shift)
+        else:
+            expression = self.expression(node, shift)
+            dtype = node.meta["val"].dtype
+            if dtype in ROUNDED and node.target not in (aten.detach.default, aten.alias.default, aten.expand.default, aten.clone.default):
+                expression = f"({expression}).to({TL_DTYPES[dtype]}).to(tl.float32)"
+        name = f"v_{node.name}" + ("" if not shift else f"_{'p' if shift > 0 else 'm'}{abs(shift)}")
+        self.lines.append(f"{name} = {expression}")
+        self.memo[key] = name
+        return name
+
+    def expression(self, node: fx.Node, shift: int | None) -> str:
+        target, args = node.target, node.args
+        if target in POINTWISE:
+            tensors = [self.value(a, shift) if isinstance(a, fx.Node) else a for a in args]
+            strings = [t if isinstance(t, str) else _lit(t) for t in tensors]
+            kwargs = {k: v for k, v in node.kwargs.items()}
+            return POINTWISE[target](*strings, **kwargs)
+        if target in IDENTITY:
+            return self.value(args[0], shift)
+        if target == aten.silu_backward.default:
+            g, x = self.value(args[0], shift), self.value(args[1], shift)
+            s = f"tl.sigmoid({x})"
+            return f"{g} * ({s} * (1.0 + {x} * (1.0 - {s})))"
+        if target == aten.gelu_backward.default:
+            g, x = self.value(args[0], shift), self.value(args[1], shift)
+            if node.kwargs.get("approximate", "none") == "tanh":
+                inner = f"{SQRT_2_OVER_PI} * ({x} + 0.044715 * {x} * {x} * {x})"
+                t = f"(2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)"
+                return f"{g} * (0.5 * (1.0 + {t}) + 0.5 * {x} * (1.0 - {t} * {t}) * {SQRT_2_OVER_PI} * (1.0 + 0.134145 * {x} * {x}))"
+            return f"{g} * (0.5 * (1.0 + tl.erf({x} * 0.7071067811865476)) + {x} * tl.exp(-0.5 * {x} * {x}) * 0.3989422804014327)"
+        if target in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default):
+            source = args[0]
+            width = _width(source.meta["val"])
+            x = self.value(source, 0)
+            if width == 1:
+                return x
+            if target == aten.amax.default:
+                masked = f"tl.where(cols < {width}, {x}, float('-inf'))" if width < self.block_d else x
+                return f"tl.max({masked}, axis=1)[:, None]"
+            masked = f"tl.where(cols < {width}, {x}, 0.0)" if width < self.block_d else x
+            total = f"tl.sum({masked}, axis=1)[:, None]"
+            return total if target == aten.sum.dim_IntList else f"{total} / {float(width)}"
+        if target == aten.slice.Tensor:
+            start = args[2] if len(args) > 2 and args[2] is not None else 0
+            width = _width(args[0].meta["val"])
+            start = start + width if start < 0 else start
+            return self.value(args[0], shift + start)
+        if target == aten.slice_backward.default:
+            grad, _, _, start, end, _ = args
+            width = _width(node.meta["val"])
+            start = start + width if start < 0 else min(start, width)
+            end = end + width if end < 0 else min(end, width)
+            col = self.column(shift)
+            inside = self.value(grad, shift - start)
+            return f"tl.where(({col} >= {start}) & ({col} < {end}), {inside}, 0.0)"
+        if target == aten.cat.default:
+            col, pieces, start = self.column(shift), [], 0
+            for t in args[0]:
+                if _width(t.meta["val"]) and t.meta["val"].numel():
+                    pieces.append((start, self.value(t, shift - start)))
+                start += t.meta["val"].shape[-1]
+            expression = pieces[-1][1]
+            for (_, piece), (bound, _) in reversed(list(zip(pieces[:-1], pieces[1:]))):
+                expression = f"tl.where({col} < {bound}, {piece}, {expression})"
+            return expression
+        raise NotImplementedError(f"fused_rows: no Triton expression for {target}")
+
+    def store(self, index: int, node: fx.Node) -> None:
+        val = node.meta["val"]
+        pointer = f"out{index}"
+        row = self._row_offset(pointer, "out", index, val)
+        store_dtype = TL_DTYPES[val.dtype]
+        if _width(val) == 1:
+            self.lines.append(f"tl.store({pointer} + {row}, {self.value(node, None)}.to({store_dtype}), mask=row_ok)")
+        else:
+            col_stride = self._stride(pointer, "out", index, val.ndim - 1)
+            mask = "row_ok" + (f" & (cols < {val.shape[-1]})" if val.shape[-1] < self.block_d else "")
+            self.lines.append(f"tl.store({pointer} + {row} + cols * {col_stride}, {self.value(node, 0)}.to({store_dtype}), mask={mask})")
+
+
+def _describe(node: fx.Node) -> str:
+    args = ", ".join(a.name if isinstance(a, fx.Node) else
+                     "[" + ", ".join(x.name if isinstance(x, fx.Node) else repr(x) for x in a) + "]" if isinstance(a, (list, tuple)) else repr(a)
+                     for a in node.args)
+    kwargs = "".join(f", {k}={v}" for k, v in node.kwargs.items())
+    val = node.meta["val"]
+    dtype = str(val.dtype).replace("torch.", "")
+    return f"{node.name}: {dtype}{list(val.shape)} = {node.target}({args}{kwargs})"
+
+
+class RowKernel:
+    """The Triton kernel of one ``FusedRows`` group, called like the group (same inputs, same outputs)."""
+
+    def __init__(self, group: FusedRows):
+        self.group = group
+        self.__name__ = group.__name__
+        rows = group.rows
+        self.n_rows = math.prod(rows)
+        gm = group.graph
+        nodes = list(gm.graph.nodes)
+        widths = [_width(n.meta.get("val")) for n in nodes if n.op != "output"]
+        self.width = max(widths)
+        self.block_d = 1 << (self.width - 1).bit_length()
+        self.block_r = max(1, min(1 << max(self.n_rows - 1, 0).bit_length(), ELEMENTS_PER_PROGRAM // self.block_d))
+        elements = self.block_r * self.block_d
+        self.num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+        self.outputs = list(output_node(gm).args[0])
+        self.output_vals = [o.meta["val"] for o in self.outputs]
+
+        emitter = _Emitter(group, self.block_d)
+        for i, out in enumerate(self.outputs):
+            emitter.store(i, out)
+        self.stride_of = emitter.stride_of
+        self.input_vals = group.input_vals
+        spans = [_span(v) for v in [*self.input_vals, *self.output_vals] if isinstance(v, torch.Tensor)]
+        index_lines = []
+        for d, size in enumerate(rows):
+            inner = math.prod(rows[d + 1:])
+            expression = "rows" if inner == 1 else f"rows // {inner}"
+            if d > 0:
+                expression = f"({expression}) % {size}"
+            index_lines.append(f"i{d} = {expression}")
+        name = self._name(rows)
+        self.name = name
+        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in self.output_vals})
+        self.source = render(
+            "fused_rows.py.jinja",
+            name=name,
+            computes=f"{len(group.ops)} fused ops ({', '.join(group.ops)}) over rows of {list(rows)}",
+            shapes=[f"in{i}: {_shape(v)}" for i, v in enumerate(self.input_vals)]
+            + [f"out{i}: {_shape(v)}" for i, v in enumerate(self.output_vals)],
+            ops=[_describe(n) for n in nodes if n.op == "call_function"],
+            pointers=[f"in{i}" for i in range(len(self.input_vals))] + [f"out{i}" for i in range(len(self.outputs))],
+            strides=emitter.strides,
+            n_rows=self.n_rows,
+            rows_shape=" × ".join(str(r) for r in rows) or "1",
+            width=self.width,
+            wide_offsets=max(spans, default=0) >= 2**31,
+            index_lines=index_lines,
+            body=emitter.lines,
+        )
+        self.dtypes = dtypes
+
+    def _name(self, rows) -> str:
+        ops = []
+        for op in self.group.ops:
+            op = op.split(".")[0].lstrip("_")
+            if op not in ops and op not in ("to_copy", "clone"):
+                ops.append(op)
+        return f"rows_{'_'.join(ops[:5])}{'_etc' if len(ops) > 5 else ''}_w{self.width}"
+
+    def kernel(self, device: torch.device):
+        return _load(self.name, self.source, device)
+
+    def __call__(self, *inputs, out: list | None = None):
+        for i, (t, v) in enumerate(zip(inputs, self.input_vals)):
+            if isinstance(v, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != v.shape):
+                raise ValueError(f"{self.name}: input {i} has shape {getattr(t, 'shape', None)}, the kernel was made for {tuple(v.shape)}")
+        device = inputs[0].device
+        outputs = out if out is not None else [
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device) for v in self.output_vals
+        ]
+        operands = {"in": inputs, "out": outputs}
+        strides = [operands[kind][index].stride(dim) for kind, index, dim in self.stride_of]
+        grid = (-(-self.n_rows // self.block_r),)
+        self.kernel(device)[grid](*inputs, *outputs, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
+                                  num_warps=self.num_warps)
+        return tuple(outputs)
+
+
+def _shape(val) -> str:
+    if not isinstance(val, torch.Tensor):
+        return repr(val)
+    return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}"
+
+
+def _span(val: torch.Tensor) -> int:
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(val.shape, val.stride()))
+
+
+@functools.cache
+def _load(name: str, source: str, device: torch.device):
+    return cache.load_kernel(name, source, device)
+
+
+def kernel_for(group: FusedRows) -> RowKernel:
+    """The Triton kernel of ``group`` (rendered now; compiled by Triton on its first launch)."""
+    return RowKernel(group)
