@@ -10,10 +10,11 @@ from . import ops  # noqa: F401  (registers the loracc:: ops)
 from .errors import LoraccError, Unsupported
 from .lora import LoRALinear
 from .model import compile, uncompile
+from .optim import FusedAdamW
 from .report import Report, explain
 
 __version__ = "0.1.0"
-__all__ = ["compile", "uncompile", "explain", "verbose", "Report", "LoRALinear", "LoraccError", "Unsupported"]
+__all__ = ["compile", "uncompile", "explain", "verbose", "Report", "LoRALinear", "LoraccError", "Unsupported", "FusedAdamW"]
 
 
 def verbose(on: bool = True) -> None:
