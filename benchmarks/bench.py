@@ -1,28 +1,53 @@
 """LoRA training-step benchmark: loracc against the stacks people would use instead.
 
-Every (method, workload) runs in its own process, so that peak memory and compile caches are its
-own; a method that fails, runs out of memory or out of time becomes a row that says so and the run
-goes on. Every method trains the same model (same seed, so same random bf16 weights), on the same
-random batch, with the same LoRA config (r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down), the
-same optimizer (AdamW on the LoRA parameters) and the same step (forward with labels, backward,
-optimizer step). The losses of every step are recorded so that a fast but wrong method shows.
+Every method trains the same model (same seed, so same random bf16 weights), on the same random
+batch, with the same LoRA config (r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down), the same
+optimizer (AdamW on the LoRA parameters) and the same step (forward with labels, backward, optimizer
+step). The losses of every step are recorded so that a fast but wrong method shows.
 
-    python benchmarks/bench.py --quick                      # both ANCHORS workloads, main methods
-    python benchmarks/bench.py --method loracc --workload llama-3.2-1b --batch 4 --seq 2048
-    python benchmarks/bench.py --sweep                      # memory against sequence length
-    python benchmarks/bench.py --tiny                       # CPU smoke run of the whole pipeline
+    python benchmarks/bench.py --quick          # under 5 min on an H100: the two ANCHORS workloads, main peers
+    python benchmarks/bench.py --sweep          # peak memory against sequence length (Llama-3.2-1B, batch 1)
+    python benchmarks/bench.py --workload llama-3-8b --method peft-eager,loracc   # the 8B shape, batch 1 x 2048
+    python benchmarks/bench.py                  # the full run: every method on every workload, warm first steps
+    python benchmarks/bench.py --tiny [--sweep] # CPU smoke run of the whole pipeline
 
-Results go to ``--out`` as JSON (one record per method and workload, plus the run's date, device,
-versions and command); ``benchmarks/report.py`` turns them into tables and plots.
+Processes. Every (method, workload) runs in a worker process of its own, so that its peak memory and
+compile caches are its own; a method that fails, runs out of memory or out of time becomes a row that
+says so (with the stage it was in and the tail of its output) and the run goes on. While one worker
+runs, the next one imports torch, transformers and peft, then waits: it touches the GPU only once
+the previous one has ended (Unsloth's worker imports nothing early: Unsloth must come first). A
+worker's --timeout counts from its turn; Unsloth has its own, shorter --unsloth-timeout, and a
+worker dumps its Python stacks to its output shortly before its time runs out, so that a row that
+timed out shows where.
+
+First step. ``first_step_s`` is the wall clock of step 0 in a fresh process whose compile caches
+(TorchInductor, Triton, loracc's kernels, Unsloth's compiled modules) are empty: the cold first
+step. ``first_step_warm_s`` is the same step in a second process started on the caches the first
+left: the warm first step. Warm is measured for every compiling method in the full run, for loracc
+only in --quick, never with --tiny (--warm / --no-warm override). In --quick, loracc-budget starts
+on the caches loracc left (``first_step_cache`` says so), so its first step is not cold.
+
+Sweep. One worker per method runs every sequence length, shortest first, at batch 1; the peak is
+reset between lengths. torch.compile runs there with dynamic=True (one graph for every length), and
+loracc-8gb shares loracc's caches: the sweep measures memory, not compile time. A length that runs
+out of memory ends the method's sweep (longer ones are marked not run). ``report.py`` derives from
+the measured peaks the longest sequence that fits in 8 GB and in 24 GB.
+
+Results go to ``--out`` as JSON (one record per method, workload and length, plus the run's date,
+device, versions and command); ``benchmarks/report.py`` turns them into tables and plots.
 
 Environment: ``$UNSLOTH_SITE`` a folder of Unsloth and its dependencies, put on the path of the
 unsloth worker only; ``$BENCH_GIT_COMMIT`` the commit to record where the tree has no usable .git.
-Liger and Unsloth need a CUDA GPU; without one their rows say "skipped".
+Workers run offline (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, UNSLOTH_DISABLE_STATISTICS, ...).
+Liger and Unsloth need a CUDA GPU; without one their rows say "skipped" (--try-without-gpu runs
+them anyway, to see how they fail).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import faulthandler
 import importlib.metadata
 import json
 import os
@@ -32,11 +57,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
-START = time.perf_counter()  # a worker's setup time (imports, model build) is counted from here
+START = time.perf_counter()  # a worker's import time is counted from here
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 16, 32
 LEARNING_RATE = 1e-3  # large enough that the later losses depend on the gradients
@@ -50,7 +76,9 @@ WORKLOADS = {
     "llama-3.2-1b": dict(family="llama", batch=4, seq=2048, dtype="bfloat16", config=dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5)),
-    "llama-3.1-8b": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=dict(
+    # Llama-3-8B's shapes (Llama-3.1-8B has the same; only its rope scaling differs). In bf16 its
+    # weights are 16 GB; eager PEFT at 1 x 2048 needs about 40 GB, so it fits an 80 GB H100.
+    "llama-3-8b": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)),
     # A CPU smoke workload: exercises every stage in seconds; fp32 so parity is exact.
@@ -68,15 +96,28 @@ METHODS = {
     "peft-compile-budget": "PEFT + torch.compile of the whole model, activation_memory_budget 0.1",
     "unsloth": "Unsloth FastLanguageModel, bf16 LoRA, its default 'unsloth' checkpointing",
     "loracc": "loracc.compile, default plan",
-    "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget)",
+    "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
+    "loracc-8gb": "loracc.compile with memory_budget='8GB' (a limit on the whole step's peak)",
 }
+LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB"}  # loracc-budget: --loracc-budget
 NEEDS_CUDA = {"peft-liger", "unsloth"}
-QUICK_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
-FULL_METHODS = QUICK_METHODS[:-1] + ["unsloth", "peft-compile", "peft-compile-layer", "peft-compile-budget"]
-# Methods whose first step compiles; for them a second process measures the first step warm.
-COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "peft-liger", "unsloth"}
+FULL_WORKLOADS = ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b"]
+FULL_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth", "peft-compile",
+                "peft-compile-layer", "peft-compile-budget"]
+# --quick: what fits 5 minutes of an H100 (see estimate(): about 4.4 min). Llama-3.2-1B with the
+# main peers, the costly torch.compile last; Qwen2-0.5B against eager only (its cold torch.compile
+# alone took 124 s, Liger adds 16 s). loracc's warm first step on the first workload only.
+QUICK_PLAN = [("llama-3.2-1b", ["peft-eager", "peft-liger", "loracc", "loracc-budget", "peft-compile"]),
+              ("qwen2-0.5b", ["peft-eager", "loracc", "loracc-budget"])]
+QUICK_DEADLINE_S = 285
+TINY_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
+# Methods whose first step compiles; for them a second process can measure the first step warm.
+COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "loracc-8gb",
+             "peft-liger", "unsloth"}
 REPO = Path(__file__).resolve().parents[1]
-SWEEP_WORKLOAD, SWEEP_SEQS = "qwen2-0.5b", [512, 1024, 2048, 4096, 8192]
+SWEEP_WORKLOAD, SWEEP_SEQS = "llama-3.2-1b", [512, 1024, 2048, 4096, 8192]
+SWEEP_METHODS = ["peft-eager", "peft-liger", "loracc", "loracc-8gb", "peft-compile"]
+TINY_SWEEP_SEQS = [16, 32, 64]
 
 
 def flops_per_token(workload: str, seq: int) -> float:
@@ -101,50 +142,87 @@ def flops_per_token(workload: str, seq: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker: one method on one workload, in its own process.
+# Worker: one method on one workload (one or several sequence lengths), in its own process.
 # ---------------------------------------------------------------------------------------------
 
-def build_model(workload: str, method: str, device):
+class Progress:
+    """A worker's stages, one line each ('<seconds since start> <stage>') in a file the orchestrator
+    reads when the worker runs out of time, and on stderr; ``stage`` is the latest."""
+
+    def __init__(self, path: str | None = None, echo: bool = True):
+        self.path, self.echo, self.stage = path, echo, "start"
+
+    def __call__(self, stage: str) -> None:
+        self.stage = stage
+        line = f"{time.perf_counter() - START:.1f} {stage}"
+        if self.echo:
+            print(f"bench stage: {line}", file=sys.stderr, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        if os.environ.get("BENCH_TEST_HANG_AT") == stage:  # tests: pretend to hang here
+            time.sleep(3600)
+
+
+def _no_progress(stage: str) -> None:
+    pass
+
+
+def make_base(workload: str, device):
+    """The workload's model with random weights from the seed, created directly on ``device`` in the
+    workload's dtype: no CPU copy and no fp32 copy (an 8B model is 16 GB in bf16, 32 GB in fp32)."""
+    import torch
+    import transformers
+
+    spec = WORKLOADS[workload]
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["family"]]
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(
+            config_class(**spec["config"]), dtype=getattr(torch, spec["dtype"]), attn_implementation="sdpa")
+
+
+def build_model(workload: str, method: str, device, progress=_no_progress, max_seq: int | None = None,
+                dynamic: bool = False):
     """The workload's model with PEFT LoRA, built on ``device`` from the seed (same weights for
     every method), with ``method`` applied. Returns (model to call, PEFT model, notes)."""
     if method == "unsloth":
+        progress("unsloth import")
         import unsloth  # noqa: F401  (it patches transformers, so it must come first)
+        progress("model build")
     import torch
-    import transformers
     from peft import LoraConfig, get_peft_model
 
     spec = WORKLOADS[workload]
-    dtype = getattr(torch, spec["dtype"])
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["family"]]
-    config = config_class(**spec["config"])
     if method == "peft-liger":
         import liger_kernel.transformers as liger
         getattr(liger, f"apply_liger_kernel_to_{spec['family']}")()
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        base = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    base = make_base(workload, device)
     if method == "unsloth":
-        return _unsloth_model(base, spec, device)
+        progress("unsloth load")
+        return _unsloth_model(base, max_seq or spec["seq"], device)
     if method == "peft-hf-ckpt":
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
                       task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
     model.train()
+    shapes = ", dynamic=True (one graph for every sequence length)" if dynamic else ""
     if method == "peft-compile":
-        return torch.compile(model), model, ""
+        return torch.compile(model, dynamic=dynamic or None), model, shapes.lstrip(", ")
     if method == "peft-compile-budget":
         from loracc import _compat
 
         _compat.set_activation_memory_budget(0.1)
-        return torch.compile(model), model, "activation_memory_budget=0.1"
+        return torch.compile(model, dynamic=dynamic or None), model, "activation_memory_budget=0.1" + shapes
     if method == "peft-compile-layer":
         for layer in model.get_base_model().model.layers:
-            layer.compile()
+            layer.compile(dynamic=dynamic or None)
+        return model, model, shapes.lstrip(", ")
     return model, model, ""
 
 
-def _unsloth_model(base, spec, device):
+def _unsloth_model(base, max_seq: int, device):
     """Unsloth loads from a checkpoint directory with a tokenizer: save the seeded weights and a
     word-level tokenizer over the vocabulary, and load them back through Unsloth."""
     import torch
@@ -160,7 +238,7 @@ def _unsloth_model(base, spec, device):
                                 bos_token="t3").save_pretrained(tmp)
         del base
         model, _ = FastLanguageModel.from_pretrained(
-            tmp, dtype=torch.bfloat16, load_in_4bit=False, load_in_16bit=True, max_seq_length=spec["seq"],
+            tmp, dtype=torch.bfloat16, load_in_4bit=False, load_in_16bit=True, max_seq_length=max_seq,
             device_map={"": device}, fix_tokenizer=False)
     model = FastLanguageModel.get_peft_model(
         model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
@@ -179,41 +257,113 @@ def parse_budget(text: str):
     return text
 
 
-def run_worker(args) -> dict:
-    """Build, compile, train ``args.steps`` steps, and return the record (never raises)."""
+def loracc_budget(method: str, budget_text: str):
+    return parse_budget(budget_text) if method == "loracc-budget" else LORACC_BUDGETS[method]
+
+
+def run_worker(args, progress=None, ready: float | None = None) -> list[dict]:
+    """Build, compile, and train ``args.warmup + args.steps`` steps at each of ``args.seqs``; return
+    one record per length (never raises). ``args.record_file``, where given, holds the records so
+    far after every length, so that a worker that runs out of time keeps what it measured."""
     import torch
 
-    record = dict(method=args.method, workload=args.workload, batch=args.batch, seq=args.seq,
-                  tokens_per_step=args.batch * args.seq, dtype=WORKLOADS[args.workload]["dtype"],
-                  status="ok", error=None, notes="")
+    ready = START if ready is None else ready
+    progress = progress or Progress(echo=False)
+    records: list[dict] = []
+
+    def save():
+        if getattr(args, "record_file", None):
+            tmp = Path(args.record_file + ".tmp")
+            tmp.write_text(json.dumps({"records": records}))
+            tmp.replace(args.record_file)
+
+    base = dict(method=args.method, workload=args.workload, batch=args.batch, dtype=WORKLOADS[args.workload]["dtype"],
+                status="ok", error=None, notes="")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    budget = None
     try:
-        model, peft_model, record["notes"] = build_model(args.workload, args.method, device)
-        record["build_s"] = time.perf_counter() - START
+        progress("model build")
+        model, peft_model, base["notes"] = build_model(args.workload, args.method, device, progress,
+                                                       max(args.seqs), getattr(args, "dynamic", False))
         if args.method.startswith("loracc"):
             import loracc
-            budget = parse_budget(args.loracc_budget) if args.method == "loracc-budget" else None
-            try:
-                loracc.compile(peft_model, memory_budget=budget)
-            except loracc.LoraccError as exc:
-                return {**record, "status": "not available", "error": str(exc)}
-        record.update(train(model, peft_model, args, device))
-        if args.method.startswith("loracc"):
-            explained = loracc.explain(peft_model)
-            fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
-            record["notes"] = (f"memory_budget={budget!r}, backend {explained.backend}, "
-                               f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
-                               f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "
-                               f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}")
-    except torch.cuda.OutOfMemoryError as exc:
-        record.update(status="oom", error=str(exc).splitlines()[0])
+            budget = loracc_budget(args.method, args.loracc_budget)
+            progress("loracc compile")
+            loracc.compile(peft_model, memory_budget=budget)
+        base.update(import_s=ready - START, setup_s=time.perf_counter() - ready)
     except Exception as exc:  # noqa: BLE001 (any failure is a row of the table, with its reason)
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        record.update(status="error", error=f"{type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"[:2000])
-    return record
+        failure = _failure(exc, progress.stage)
+        records += [{**base, "seq": s, "tokens_per_step": args.batch * s, **failure} for s in args.seqs]
+        save()
+        return records
+    for i, seq in enumerate(args.seqs):
+        record = {**base, "seq": seq, "tokens_per_step": args.batch * seq}
+        label = f"seq {seq}: " if len(args.seqs) > 1 else ""
+        try:
+            if i:
+                _release(device)
+            record.update(train(model, peft_model, argparse.Namespace(**{**vars(args), "seq": seq}), device,
+                                lambda stage: progress(label + stage)))
+            if args.method.startswith("loracc"):
+                record["notes"] = _loracc_notes(peft_model, budget)
+        except Exception as exc:  # noqa: BLE001
+            record.update(_failure(exc, progress.stage))
+        records.append(record)
+        if record["status"] != "ok":
+            # A longer sequence would fail as well (out of memory, over the budget) or the same way.
+            records += [{**base, "seq": s, "tokens_per_step": args.batch * s, "status": "skipped",
+                         "error": f"not run: {seq} ended with {record['status']}"} for s in args.seqs[i + 1:]]
+            save()
+            break
+        save()
+    progress("done")
+    return records
 
 
-def train(model, peft_model, args, device) -> dict:
+def _failure(exc: BaseException, stage: str) -> dict:
+    """The status and reason a record gets for ``exc``, raised at ``stage``."""
+    import torch
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return dict(status="oom", error=f"at {stage}: " + str(exc).splitlines()[0])
+    if type(exc).__name__ in ("LoraccError", "Unsupported") and type(exc).__module__.startswith("loracc"):
+        # loracc refused: no plan fits the memory budget, or the model is not supported.
+        return dict(status="refused", error=f"at {stage}: {exc}"[:2000])
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" (at {frame.filename}:{frame.lineno})" if frame else ""
+    chain, link = [], exc  # what it was raised from, or while handling
+    while len(chain) < 4 and (link := link.__cause__ or (None if link.__suppress_context__ else link.__context__)):
+        chain.append(f"{type(link).__name__}: {str(link)[:300]}")
+    cause = "; from " + " <- ".join(chain) if chain else ""
+    text = "".join(traceback.format_exception(exc))
+    print(text, file=sys.stderr, flush=True)  # into the worker's output, whose end a failed row keeps
+    return dict(status="error", error=f"at {stage}: {type(exc).__name__}: {exc}{where}{cause}"[:2000],
+                traceback=text[-3000:])
+
+
+def _release(device: str) -> None:
+    """Free what the previous length left, so that the next length's peak is its own."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _loracc_notes(peft_model, budget) -> str:
+    import loracc
+
+    explained = loracc.explain(peft_model)
+    fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
+    return (f"memory_budget={budget!r}, backend {explained.backend}, "
+            f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
+            f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "
+            f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}")
+
+
+def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     """Run ``warmup + steps`` steps. The first is timed on the wall clock (it compiles); the
     ``steps`` after the warm-up are timed with CUDA events (on a CPU, the wall clock)."""
     import torch
@@ -221,7 +371,9 @@ def train(model, peft_model, args, device) -> dict:
     vocab = WORKLOADS[args.workload]["config"]["vocab_size"]
     batch = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(SEED + 1)).to(device)
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
+    optimizer = getattr(peft_model, "_bench_optimizer", None)
+    if optimizer is None:  # one optimizer for every length of a sweep: its state is part of the peak
+        optimizer = peft_model._bench_optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
     cuda = device == "cuda"
 
     def step():
@@ -238,12 +390,17 @@ def train(model, peft_model, args, device) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     sync()
+    progress("first step")
     start = time.perf_counter()
     losses = [step()]
     sync()
     first_step_s = time.perf_counter() - start
     marks = []
+    if args.warmup > 1:
+        progress("warm-up")
     for i in range(1, args.warmup + args.steps):
+        if i == args.warmup:
+            progress("timed steps")
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -288,12 +445,71 @@ def measure_matmul() -> dict:
                 matmul_tflops=2 * n**3 / seconds / 1e12)
 
 
+def worker_main(args) -> int:
+    """A worker process: import, wait for its turn (--go-file), run, write --record-file."""
+    progress = Progress(args.progress_file)
+    _exit_with_parent()
+    progress("imports")
+    if args.method != "unsloth":  # Unsloth patches transformers and peft: it must be imported first
+        import peft  # noqa: F401
+        import torch  # noqa: F401
+        import transformers
+
+        transformers.LlamaForCausalLM, transformers.Qwen2ForCausalLM  # noqa: B018 (lazy modules: load them now)
+    limit = None
+    if args.go_file:
+        progress("waiting")
+        while not os.path.exists(args.go_file):
+            time.sleep(0.05)
+        turn = json.loads(Path(args.go_file).read_text())
+        limit = turn["timeout"] - (time.time() - turn["at"])  # the orchestrator's clock started at "at"
+    ready = time.perf_counter()
+    if limit:
+        # Where it hangs: the stacks of every thread go to stderr shortly before the orchestrator kills it.
+        faulthandler.dump_traceback_later(max(limit - 5, limit * 0.75, 0.1), exit=False)
+    records = run_worker(args, progress, ready)
+    faulthandler.cancel_dump_traceback_later()
+    tmp = Path(args.record_file + ".tmp")
+    tmp.write_text(json.dumps({"records": records}))
+    tmp.replace(args.record_file)
+    return 0
+
+
+def _exit_with_parent() -> None:
+    """A worker whose orchestrator is gone (killed) ends too, rather than hold the GPU."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(1)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 # ---------------------------------------------------------------------------------------------
-# Orchestrator: the plan, one worker process per row, the JSON.
+# Orchestrator: the plan, one worker process per job, the JSON.
 # ---------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Job:
+    """One worker process: ``method`` on ``workload`` at each of ``seqs``."""
+    method: str
+    workload: str
+    batch: int
+    seqs: list[int]
+    suite: str  # "main" or "sweep"
+    steps: int
+    warmup: int
+    cache: str  # the compile-cache folder's name: jobs that name the same one share it
+    warm_of: int | None = None  # a warm job: index of the cold job whose first step it measures again
+    dynamic: bool = False
+    cache_note: str | None = None  # where the caches are not this job's own
+
+
 def spawn(kind: str, argv: list[str], timeout: float, env: dict, cwd=None) -> tuple[dict | None, str]:
-    """Run ``bench.py --worker kind`` with ``argv``; returns (its record, "") or (None, why not)."""
+    """Run ``bench.py --worker kind`` with ``argv`` at once; returns (its record, "") or (None, why not)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--record-file", str(out), *argv]
@@ -313,45 +529,262 @@ def _tail(output, lines: int = 5) -> str:
     return " | ".join((output or "(none)").strip().splitlines()[-lines:])
 
 
-def run_row(method: str, workload: str, batch: int, seq: int, args, suite: str, deadline: float) -> dict:
-    """One row of the table: a worker process on fresh compile caches (cold), and with --warm a
-    second one on the caches the first left behind."""
-    row = dict(method=method, workload=workload, batch=batch, seq=seq, tokens_per_step=batch * seq,
-               dtype=WORKLOADS[workload]["dtype"], suite=suite)
-    if method in NEEDS_CUDA and not args.cuda:
-        return {**row, "status": "skipped", "error": "needs a CUDA GPU"}
-    if deadline - time.monotonic() < 20:
-        return {**row, "status": "skipped", "error": "not run: the run's --deadline was reached"}
+class Worker:
+    """A started worker process of one job: it imports, then waits until ``run`` gives it its turn.
+    Its output goes to a file (no pipe to fill up, and a tail to keep if it fails)."""
 
-    def worker(steps: int, warmup: int):
-        argv = ["--method", method, "--workload", workload, "--batch", str(batch), "--seq", str(seq),
-                "--steps", str(steps), "--warmup", str(warmup), "--loracc-budget", args.loracc_budget]
-        # In the cache folder: some methods write compiled files into the working directory.
-        limit = min(args.timeout, deadline - time.monotonic())
-        record, why = spawn("step", argv, limit, env, cwd=cache)
-        if limit < args.timeout and why.startswith("timeout"):
-            why = why.replace("timeout:", "timeout (cut short by the run's --deadline):", 1)
-        return record, why
+    def __init__(self, job: Job, args, folder: Path, cache: Path):
+        folder.mkdir(parents=True)
+        self.folder = folder
+        self.record, self.progress, self.go_file = folder / "record.json", folder / "progress", folder / "go"
+        self.log = folder / "output.log"
+        argv = ["--method", job.method, "--workload", job.workload, "--batch", str(job.batch),
+                "--seqs", ",".join(map(str, job.seqs)), "--steps", str(job.steps), "--warmup", str(job.warmup),
+                "--loracc-budget", args.loracc_budget] + (["--dynamic"] if job.dynamic else [])
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "step", "--record-file", str(self.record),
+               "--progress-file", str(self.progress), "--go-file", str(self.go_file), *argv]
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as log:
+            # In the cache folder: some methods write compiled files into the working directory.
+            self.proc = subprocess.Popen(cmd, env=worker_env(job.method, cache), cwd=cache, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
+    def run(self, limit: float) -> dict:
+        """Give the worker its turn; wait for it at most ``limit`` seconds."""
+        tmp = self.go_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"timeout": limit, "at": time.time()}))
+        tmp.replace(self.go_file)
+        start = time.monotonic()
+        try:
+            code = self.proc.wait(timeout=limit)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code, timed_out = None, True
+        records = json.loads(self.record.read_text())["records"] if self.record.exists() else []
+        stages = self.progress.read_text().splitlines() if self.progress.exists() else []
+        output = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return dict(records=records, code=code, timed_out=timed_out, elapsed=time.monotonic() - start,
+                    stage=stages[-1].split(" ", 1)[1] if stages else "start", output=output)
+
+    def stop(self) -> None:
+        """End the worker (ours, by its process id) and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def worker_env(method: str, cache: Path) -> dict:
     # Unsloth's many dependencies can live in a folder of their own ($UNSLOTH_SITE), on the path of
     # its worker only, so that they cannot change what the other methods import.
     path = [str(REPO), os.environ.get("PYTHONPATH", "")]
     if method == "unsloth" and os.environ.get("UNSLOTH_SITE"):
         path.insert(1, os.environ["UNSLOTH_SITE"])
-    with tempfile.TemporaryDirectory(prefix=f"bench-cache-{method}-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
-               "LORACC_CACHE_DIR": f"{cache}/loracc", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path)}
-        start = time.monotonic()
-        record, why = worker(args.steps, args.warmup)
-        if record is None:
-            status = "timeout" if why.startswith("timeout") else "error"
-            return {**row, "status": status, "error": why, "wall_s": time.monotonic() - start}
-        record.update(suite=suite, wall_s=time.monotonic() - start, first_step_warm_s=None)
-        if args.warm and record["status"] == "ok" and method in COMPILING and deadline - time.monotonic() > 20:
-            warm, _ = worker(0, 1)
-            if warm and warm["status"] == "ok":
-                record["first_step_warm_s"] = warm["first_step_s"]
-    return record
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
+           "LORACC_CACHE_DIR": f"{cache}/loracc",
+           # No network on the GPU machine: nothing may wait on a download, a version check or telemetry.
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if method == "unsloth":
+        env.update({
+            # Its usage statistics download a README from the Hub (already skipped when offline).
+            "UNSLOTH_DISABLE_STATISTICS": "1",
+            # Where NVIDIA_VISIBLE_DEVICES pins a GPU and CUDA_VISIBLE_DEVICES is unset (containers),
+            # Unsloth forces Inductor to one compile thread; the peers compile with Inductor's default.
+            "UNSLOTH_FORCE_SINGLE_COMPILE_WORKER": "0",
+            # Its generated modules go into this row's cache folder, so that the warm process finds them.
+            "UNSLOTH_COMPILE_LOCATION": f"{cache}/unsloth_compiled_cache",
+        })
+    return env
+
+
+def plan(args) -> list[Job]:
+    """The jobs, in order: main rows (each compiling one followed by its warm job where measured),
+    then the sweep."""
+    jobs: list[Job] = []
+    main = not args.sweep or args.quick or args.workload
+    if main:
+        if args.tiny:
+            layout = [("tiny", args.method or TINY_METHODS)]
+        elif args.quick:
+            layout = [(w, args.method or methods) for w, methods in QUICK_PLAN if not args.workload or w in args.workload]
+            layout += [(w, args.method or QUICK_PLAN[0][1]) for w in args.workload or [] if w not in dict(QUICK_PLAN)]
+        else:
+            layout = [(w, args.method or FULL_METHODS) for w in args.workload or FULL_WORKLOADS]
+        for n, (workload, methods) in enumerate(layout):
+            spec = WORKLOADS[workload]
+            batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
+            for method in methods:
+                shared = args.quick and method == "loracc-budget" and "loracc" in methods
+                jobs.append(Job(method, workload, batch, [seq], "main", args.steps, args.warmup,
+                                cache=f"{workload}-{'loracc' if shared else method}",
+                                cache_note="caches of loracc (run before it): not cold" if shared else None))
+                if warm_wanted(args, method, first_workload=n == 0):
+                    jobs.append(dataclasses.replace(jobs[-1], steps=0, warmup=1, warm_of=len(jobs) - 1))
+    if args.sweep:
+        workload, seqs = ("tiny", TINY_SWEEP_SEQS) if args.tiny else (SWEEP_WORKLOAD, SWEEP_SEQS)
+        methods = args.method or SWEEP_METHODS
+        for method in methods:
+            shared = method.startswith("loracc-") and "loracc" in methods  # after loracc, on its caches
+            jobs.append(Job(method, workload, 1, seqs, "sweep", args.sweep_steps, args.sweep_warmup,
+                            cache=f"sweep-{'loracc' if shared else method}", dynamic=method.startswith("peft-compile"),
+                            cache_note="caches of loracc (run before it)" if shared else None))
+    return jobs
+
+
+def warm_wanted(args, method: str, first_workload: bool = True) -> bool:
+    if method not in COMPILING or args.warm is False:
+        return False
+    if args.warm is True:
+        return True
+    return not args.tiny and (method == "loracc" and first_workload if args.quick else True)
+
+
+# What an H100 took in the runs of 2026-11-22 (benchmarks/results/, ANCHORS.md), for estimate() only:
+# a worker's setup after its imports (CUDA, model build), its imports (overlapped with the previous
+# worker), and the cold first step per method and workload. Figures not measured there are guesses.
+H100_SETUP_S, H100_IMPORT_S = 7.0, 7.0
+H100_FIRST_STEP_S = {
+    "peft-compile": {"qwen2-0.5b": 124, "llama-3.2-1b": 63, "*": 150},
+    "peft-compile-budget": {"qwen2-0.5b": 121, "llama-3.2-1b": 83, "*": 150},
+    "peft-compile-layer": {"qwen2-0.5b": 33, "llama-3.2-1b": 27, "*": 45},
+    "loracc": {"qwen2-0.5b": 40, "llama-3.2-1b": 24, "*": 45},
+    "loracc-budget": {"qwen2-0.5b": 74, "llama-3.2-1b": 24, "*": 45},
+    "loracc-8gb": {"*": 45},
+    "peft-liger": {"*": 6},
+    "unsloth": {"*": 120},  # never measured: it timed out at 79 s
+    "*": {"*": 2.5},
+}
+H100_WARM_FIRST_STEP_S = {"peft-compile": 14, "peft-compile-budget": 14, "peft-compile-layer": 10, "*": 3.5}
+H100_RECOMPILE_S = {"loracc": 10, "loracc-budget": 10, "loracc-8gb": 10, "*": 1}  # a sweep's next length
+ASSUMED_MFU, H100_TFLOPS = 0.15, 790
+
+
+def estimate(jobs: list[Job]) -> float:
+    """Seconds the jobs should take on an H100 (see H100_FIRST_STEP_S); the matrix-rate check included."""
+    total = 10.0 + H100_IMPORT_S
+    for job in jobs:
+        first = H100_FIRST_STEP_S.get(job.method, H100_FIRST_STEP_S["*"])
+        first = first.get(job.workload, first["*"])
+        if job.warm_of is not None or job.cache_note:
+            first = H100_WARM_FIRST_STEP_S.get(job.method, H100_WARM_FIRST_STEP_S["*"])
+        if job.dynamic:
+            first *= 1.3  # a dynamic-shape graph compiles more slowly
+        total += H100_SETUP_S + first + 1  # + the process's exit
+        recompile = H100_RECOMPILE_S.get(job.method, 1) / (2 if job.cache_note else 1)
+        for i, seq in enumerate(job.seqs):
+            step_s = job.batch * seq * flops_per_token(job.workload, seq) / (ASSUMED_MFU * H100_TFLOPS * 1e12)
+            total += (job.warmup + job.steps) * step_s + (recompile if i else 0)
+    return total
+
+
+def run_jobs(jobs: list[Job], args, deadline: float, folder: Path, emit, prefetch: bool = True,
+             started: dict | None = None) -> None:
+    """Run the jobs in order, one at a time on the GPU; ``emit(index, rows)`` gets each job's rows (a
+    warm job's: the cold row, updated). The next job's worker starts importing while one runs;
+    ``started``: workers already started, by job index."""
+    started = dict(started or {})
+    rows_of: dict[int, list[dict]] = {}
+
+    def why_not(index: int, ahead: bool = False) -> str | None:
+        """Why job ``index`` cannot run now (``ahead``: whether it may start its imports already)."""
+        job = jobs[index]
+        if job.method in NEEDS_CUDA and not args.cuda and not args.try_without_gpu:
+            return "needs a CUDA GPU"
+        if job.warm_of is not None and not ahead:
+            cold = rows_of.get(job.warm_of)
+            if not cold or cold[0]["status"] != "ok":
+                return "the cold run failed"
+        if deadline - time.monotonic() < 20:
+            return "not run: the run's --deadline was reached"
+        return None
+
+    def start(index: int) -> Worker:
+        return start_worker(jobs, index, args, folder)
+
+    if prefetch and jobs and 0 not in started and why_not(0) is None:
+        started[0] = start(0)
+    for index, job in enumerate(jobs):
+        worker = started.pop(index, None)
+        why = why_not(index)
+        if why is not None:
+            if worker:
+                worker.stop()
+            if job.warm_of is None:
+                status = "skipped"
+                rows_of[index] = [_row(job, seq, status=status, error=why) for seq in job.seqs]
+                emit(index, rows_of[index])
+            else:
+                cold = rows_of.get(job.warm_of) or []
+                if cold and cold[0]["status"] == "ok":
+                    cold[0]["first_step_warm_error"] = why
+            continue
+        if worker is None:
+            worker = start(index)
+        if prefetch and index + 1 < len(jobs) and why_not(index + 1, ahead=True) is None:
+            started[index + 1] = start(index + 1)  # its imports overlap this job's run
+        timeout = args.unsloth_timeout if job.method == "unsloth" else args.timeout
+        limit = min(timeout, deadline - time.monotonic())
+        outcome = worker.run(limit)
+        rows = _rows(job, outcome, limit, cut=limit < timeout)
+        if job.warm_of is None:
+            rows_of[index] = rows
+            emit(index, rows)
+        else:
+            cold = rows_of[job.warm_of][0]
+            if rows[0]["status"] == "ok":
+                cold["first_step_warm_s"] = rows[0]["first_step_s"]
+            else:
+                cold["first_step_warm_error"] = f"{rows[0]['status']}: {(rows[0].get('error') or '')[:300]}"
+            emit(job.warm_of, rows_of[job.warm_of])
+    for worker in started.values():
+        worker.stop()
+
+
+def start_worker(jobs: list[Job], index: int, args, folder: Path) -> Worker:
+    job = jobs[index]
+    return Worker(job, args, folder / f"job{index}", folder / "caches" / job.cache)
+
+
+def _row(job: Job, seq: int, **fields) -> dict:
+    return dict(method=job.method, workload=job.workload, batch=job.batch, seq=seq, tokens_per_step=job.batch * seq,
+                dtype=WORKLOADS[job.workload]["dtype"], suite=job.suite, **fields)
+
+
+def _rows(job: Job, outcome: dict, limit: float, cut: bool) -> list[dict]:
+    """A job's rows from what its worker left: its records, and for lengths it did not reach, why."""
+    done = {r["seq"]: r for r in outcome["records"]}
+    tail = _output_tail(outcome["output"])
+    rows, missing = [], None
+    for seq in job.seqs:
+        if seq in done:
+            row = {**done[seq], "suite": job.suite}
+        elif missing is None:
+            missing = seq
+            if outcome["timed_out"]:
+                limit_text = f"the run's --deadline" if cut else f"its limit of {limit:.0f} s"
+                row = _row(job, seq, status="timeout",
+                           error=f"timed out at {outcome['stage']} after {outcome['elapsed']:.0f} s ({limit_text})")
+            else:
+                row = _row(job, seq, status="error", error=f"worker exited with code {outcome['code']} at "
+                           f"{outcome['stage']}: {_tail(outcome['output'], 3)}"[:2000])
+        else:
+            row = _row(job, seq, status="skipped", error=f"not run: the worker ended at {missing}")
+        if row["status"] not in ("ok", "skipped"):
+            row["output_tail"] = tail
+        if job.cache_note:
+            row["first_step_cache"] = job.cache_note
+        row["wall_s"] = outcome["elapsed"]
+        row.setdefault("first_step_warm_s", None)
+        rows.append(row)
+    return rows
+
+
+def _output_tail(output: str, lines: int = 40, chars: int = 4000) -> str:
+    """The end of a worker's output, for a failed row: where it stopped, and why."""
+    text = "\n".join(output.rstrip().splitlines()[-lines:])
+    return text[-chars:]
 
 
 def environment(args) -> dict:
@@ -359,7 +792,10 @@ def environment(args) -> dict:
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            return None
+            # Unsloth may live in $UNSLOTH_SITE, on its worker's path only.
+            site = os.environ.get("UNSLOTH_SITE")
+            found = [d.version for d in importlib.metadata.distributions(name=name, path=[site])] if site else []
+            return found[0] if found else None
 
     gpu, driver = None, None
     if args.cuda:
@@ -379,103 +815,155 @@ def environment(args) -> dict:
         git_dirty=None if os.environ.get("BENCH_GIT_COMMIT") else _dirty(),
         settings=dict(warmup=args.warmup, steps=args.steps, seed=SEED, lr=LEARNING_RATE, optimizer="AdamW",
                       lora=dict(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS),
-                      loracc_budget=args.loracc_budget),
+                      loracc_budget=args.loracc_budget,
+                      **({"sweep_steps": args.sweep_steps, "sweep_warmup": args.sweep_warmup}
+                         if getattr(args, "sweep", False) else {})),
         flops_formula="4*P_frozen_linear + 6*layers*seq*heads*head_dim + 6*layers*r*sum(in+out) per token "
                       "(forward + input gradient of frozen linears incl. vocabulary projection; causal attention "
                       "forward + backward; LoRA)",
     )
 
 
-def plan(args) -> list[tuple]:
-    """(method, workload, batch, seq, suite) rows, cheap methods first within each workload."""
-    if args.tiny:
-        workloads = ["tiny"]
-    elif args.workload:
-        workloads = args.workload
-    else:
-        workloads = ["qwen2-0.5b", "llama-3.2-1b"] + ([] if args.quick else ["llama-3.1-8b"])
-    methods = args.method or (QUICK_METHODS if args.quick or args.tiny else FULL_METHODS)
-    rows = []
-    for workload in workloads:
-        spec = WORKLOADS[workload]
-        rows += [(m, workload, args.batch or spec["batch"], args.seq or spec["seq"], "main") for m in methods]
-    if args.sweep:
-        sweep_methods = args.method or ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth"]
-        workload, seqs = ("tiny", [16, 32, 64]) if args.tiny else (SWEEP_WORKLOAD, SWEEP_SEQS)
-        rows += [(m, workload, 1, s, "sweep") for s in seqs for m in sweep_methods]
-    return rows
+def _names(values, choices, parser, option) -> list[str] | None:
+    """--method a,b --method c → [a, b, c], each checked against ``choices``."""
+    if not values:
+        return None
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    for name in names:
+        if name not in choices:
+            parser.error(f"argument {option}: invalid choice: {name!r} (choose from {', '.join(sorted(choices))})")
+    return names
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", action="append", choices=sorted(METHODS), help="repeatable; default: all")
-    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable")
+    parser.add_argument("--method", action="append", help=f"repeatable or comma-separated; one of {', '.join(METHODS)}")
+    parser.add_argument("--workload", action="append", help=f"repeatable or comma-separated; one of {', '.join(WORKLOADS)}")
     parser.add_argument("--batch", type=int, help="override the workload's batch size")
     parser.add_argument("--seq", type=int, help="override the workload's sequence length")
-    parser.add_argument("--quick", action="store_true", help="both ANCHORS workloads, main methods, cold only")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{'; '.join(f'{w}: ' + ', '.join(m) for w, m in QUICK_PLAN)}; warm-up 2, "
+                             f"deadline {QUICK_DEADLINE_S} s unless --deadline")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is (smoke test)")
-    parser.add_argument("--sweep", action="store_true", help=f"add {SWEEP_WORKLOAD} at batch 1, seq {SWEEP_SEQS}")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"{SWEEP_WORKLOAD} at batch 1, seq {SWEEP_SEQS}, methods {SWEEP_METHODS} (--method "
+                             "overrides); only the sweep unless --quick or --workload adds main rows")
+    parser.add_argument("--sweep-steps", type=int, default=3, help="timed steps at each length of the sweep")
+    parser.add_argument("--sweep-warmup", type=int, default=2, help="warm-up steps at each length of the sweep")
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time the first step in a second process with warm caches (default: not with --quick/--tiny)")
+                        help="time the first step again in a second process on the caches of the first "
+                             "(default: every compiling method; with --quick loracc only; not with --tiny)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first (compiling) one included")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps, the first (compiling) one included (default 3; 2 with --quick)")
     parser.add_argument("--loracc-budget", default="0.1", help="memory_budget of the loracc-budget method")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per worker process")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per worker process, from its turn")
+    parser.add_argument("--unsloth-timeout", type=float, default=180, help="seconds for an Unsloth worker")
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run; later rows are skipped")
+    parser.add_argument("--try-without-gpu", action="store_true", help="run Liger and Unsloth even without a GPU")
+    parser.add_argument("--estimate", action="store_true", help="print the plan and its H100 time estimate, run nothing")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-<date>.json)")
     parser.add_argument("--append", action="store_true", help="add the rows to --out's run instead of replacing it")
     parser.add_argument("--report-dir", default=None, help="also write the Markdown report and plots there")
     parser.add_argument("--worker", choices=["step", "matmul"], help=argparse.SUPPRESS)
     parser.add_argument("--record-file", help=argparse.SUPPRESS)
+    parser.add_argument("--progress-file", help=argparse.SUPPRESS)
+    parser.add_argument("--go-file", help=argparse.SUPPRESS)
+    parser.add_argument("--seqs", help=argparse.SUPPRESS)
+    parser.add_argument("--dynamic", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.method = _names(args.method, METHODS, parser, "--method")
+    args.workload = _names(args.workload, WORKLOADS, parser, "--workload")
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 3
 
-    if args.worker:
-        record = measure_matmul() if args.worker == "matmul" else run_worker(_single(args))
-        Path(args.record_file).write_text(json.dumps(record))
+    if args.worker == "matmul":
+        Path(args.record_file).write_text(json.dumps(measure_matmul()))
         return 0
+    if args.worker:
+        args.method, args.workload = args.method[0], args.workload[0]
+        args.seqs = [int(s) for s in args.seqs.split(",")]
+        return worker_main(args)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the first step, which compiles, is never timed")
     if args.tiny:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-    if args.warm is None:
-        args.warm = not (args.quick or args.tiny)
+        args.sweep_steps, args.sweep_warmup = min(args.sweep_steps, 1), min(args.sweep_warmup, 1)
+    if args.quick and args.deadline is None:
+        args.deadline = QUICK_DEADLINE_S
+    jobs = plan(args)
+    seconds = estimate(jobs)
+    guess = "" if args.tiny else f"; estimated {seconds:.0f} s ({seconds / 60:.1f} min) on an H100 (2026-11-22 figures)"
+    print(f"plan: {len(jobs)} worker processes{guess}{f'; deadline {args.deadline:.0f} s' if args.deadline else ''}",
+          flush=True)
+    if args.estimate:
+        for job in jobs:
+            kind = "warm" if job.warm_of is not None else job.suite
+            print(f"  {job.workload:>13} {job.batch}x{','.join(map(str, job.seqs)):<24} {job.method:<19} {kind}")
+        return 0
     deadline = time.monotonic() + (args.deadline or float("inf"))
     out = Path(args.out or f"benchmarks/results/bench-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # The matrix rate is measured in its own process, which also tells whether there is a GPU.
-    matmul, why = spawn("matmul", [], args.timeout, dict(os.environ))
-    if matmul is None:
-        print(f"cannot measure the matrix rate, so no row can run: {why}", file=sys.stderr)
-        return 1
-    args.cuda = matmul.pop("cuda")
-    if args.append and out.exists():
-        # More rows of the same run: its matrix rate, settings and versions stay; the command is added.
-        results = json.loads(out.read_text())
-        run = results["run"]
-        run["command"] += " ; " + environment(args)["command"]
-    else:
-        run = {**environment(args), **matmul}
-        results = dict(run=run, records=[])
-    for method, workload, batch, seq, suite in plan(args):
-        record = run_row(method, workload, batch, seq, args, suite, deadline)
-        record["flops_per_token"] = flops_per_token(workload, seq)
-        rate = run["matmul_tflops"]
-        record["mfu"] = (record["flops_per_token"] * record["tokens_per_s"] / (rate * 1e12)
-                         if record.get("tokens_per_s") and rate else None)
-        results["records"].append(record)
-        out.write_text(json.dumps(results, indent=1))
-        print(_line(record), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        # The first worker imports while the matrix rate is measured, in a process of its own, which
+        # also tells whether there is a GPU.
+        started = {0: start_worker(jobs, 0, args, Path(tmp))} if jobs else {}
+        matmul, why = spawn("matmul", [], args.timeout, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        if matmul is None:
+            for worker in started.values():
+                worker.stop()
+            print(f"cannot measure the matrix rate, so no row can run: {why}", file=sys.stderr)
+            return 1
+        args.cuda = matmul.pop("cuda")
+        if args.append and out.exists():
+            # More rows of the same run: its matrix rate, settings and versions stay; the command is added.
+            results = json.loads(out.read_text())
+            run = results["run"]
+            run["command"] += " ; " + environment(args)["command"]
+        else:
+            run = {**environment(args), **matmul}
+            results = dict(run=run, records=[])
+        first = len(results["records"])
+        slots: dict[int, list[dict]] = {}
+
+        def emit(index: int, rows: list[dict]) -> None:
+            new = index not in slots
+            for row in rows:
+                row["flops_per_token"] = flops_per_token(row["workload"], row["seq"])
+                rate = run["matmul_tflops"]
+                row["mfu"] = (row["flops_per_token"] * row["tokens_per_s"] / (rate * 1e12)
+                              if row.get("tokens_per_s") and rate else None)
+            if new:
+                slots[index] = rows
+                results["records"].extend(rows)
+            out.write_text(json.dumps(results, indent=1))
+            for row in rows:
+                print(_line(row), flush=True)
+
+        run_jobs(jobs, args, deadline, Path(tmp), emit, started=started)
+    print(summary(results["records"][first:]))
     if args.report_dir:
         sys.path.insert(0, str(Path(__file__).parent))
         import report
-        report.write_report([out], Path(args.report_dir))
+        print(f"report: {report.write_report([out], Path(args.report_dir))}")
     print(f"results: {out}")
     return 0
 
 
-def _single(args):
-    args.method, args.workload = args.method[0], args.workload[0]
-    return args
+def summary(records: list[dict]) -> str:
+    """The run's rows again, in one block (the end of the output is what a remote run shows), and
+    for a sweep the longest sequence that fits in each memory limit."""
+    lines = ["", "summary:"] + [_line(r) for r in records]
+    sweep = [r for r in records if r.get("suite") == "sweep"]
+    if sweep:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import report
+
+        fits = report.longest_fitting(sweep)
+        lines.append("longest sequence within the measured peak (8 GB / 24 GB):")
+        for method, limits in fits.items():
+            lines.append(f"  {method:<19} " + " / ".join(report.fit_text(f) for f in limits.values()))
+    return "\n".join(lines)
 
 
 def _git(*argv: str) -> str | None:
@@ -490,13 +978,15 @@ def _dirty() -> bool | None:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['workload']:>13} {r['batch']}x{r['seq']:<5} {r['method']:<19} {r['status']:<13}"
+    head = f"{r['workload']:>13} {r['batch']}x{r['seq']:<5} {r['method']:<19} {r['status']:<8}"
     if r["status"] != "ok":
-        return f"{head} {r.get('error') or ''}"[:300]
+        return f"{head} {r.get('error') or ''}"[:400]
     peak = f"{r['peak_memory_bytes'] / 1e9:.2f} GB" if r.get("peak_memory_bytes") else "-"
     mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+    warm = r.get("first_step_warm_s")
+    first = f"first {r['first_step_s']:.1f} s" + (f" / warm {warm:.1f} s" if warm is not None else "")
     return (f"{head} {r.get('step_ms', float('nan')):8.1f} ms {r.get('tokens_per_s', 0):9.0f} tok/s peak {peak} "
-            f"MFU {mfu} first {r['first_step_s']:.1f} s loss0 {r['losses'][0]:.4f}")
+            f"MFU {mfu} {first} loss0 {r['losses'][0]:.4f}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
     python benchmarks/report.py benchmarks/results/bench-*.json --out-dir benchmarks/results
 
 Writes ``README.md`` in ``--out-dir`` with, for every run: where and how it ran, one table per
-workload (every method, failures included, with its losses and their parity against eager PEFT),
-loracc against the best peer, and, when the run has a sequence sweep, peak memory against sequence
-length and the longest sequence that fits in 8 GB and 24 GB. Plots (SVG) need matplotlib; without
-it the report says so and has tables only.
+workload (every method, failures included, with its losses and their parity against eager PEFT, and
+the end of a failed worker's output), loracc against the best peer, and, when the run has a sequence
+sweep, peak memory against sequence length and the longest sequence that fits in 8 GB and 24 GB
+(measured, and estimated between and beyond the measured lengths). Plots (SVG) need matplotlib;
+without it the report says so and has tables only.
 """
 from __future__ import annotations
 
@@ -77,8 +78,7 @@ def workload_table(rows: list[dict]) -> list[str]:
         status = "ok" if ok else f"**{r['status']}**: {_cell((r.get('error') or '')[:160])}"
         rate = r.get("tokens_per_s")
         speedup = f"{rate / ref_rate:.2f}×" if rate and ref_rate else "—"
-        warm = r.get("first_step_warm_s")
-        first = _num(r.get("first_step_s"), ".1f") + (f" / {warm:.1f}" if warm is not None else "")
+        first = first_step_text(r)
         losses = r.get("losses") or []
         shown = ", ".join(f"{x:.4f}" for x in (losses[:2] + losses[-1:] if len(losses) > 2 else losses))
         lines.append(
@@ -87,6 +87,33 @@ def workload_table(rows: list[dict]) -> list[str]:
             f"{shown or '—'} | {_cell(parity(r, reference))} |"
         )
     return lines
+
+
+def first_step_text(r: dict) -> str:
+    """'cold / warm' seconds of step 0, and where the caches were not the row's own."""
+    warm = r.get("first_step_warm_s")
+    text = _num(r.get("first_step_s"), ".1f")
+    if warm is not None:
+        text += f" / {warm:.1f}"
+    elif r.get("first_step_warm_error"):
+        text += " / warm failed"
+    if r.get("first_step_cache"):
+        text += f" ({r['first_step_cache']})"
+    return text
+
+
+def failure_outputs(rows: list[dict], lines: int = 15) -> list[str]:
+    """The end of each failed worker's output (where it stopped, a stack dump if it hung)."""
+    out = []
+    for r in rows:
+        tail = r.get("output_tail")
+        if r.get("status") == "ok" or not tail:
+            continue
+        where = f"{r['method']}, seq {r['seq']}" if r.get("suite") == "sweep" else r["method"]
+        shown = "\n".join(tail.splitlines()[-lines:]).replace("`" * 3, "` ` `")
+        out += [f"<details><summary>{_cell(where)}: {r['status']}, end of its output</summary>", "",
+                "`" * 3 + "text", shown, "`" * 3, "</details>", ""]
+    return out
 
 
 def loracc_summary(rows: list[dict]) -> str | None:
@@ -110,24 +137,64 @@ def loracc_summary(rows: list[dict]) -> str | None:
     return text
 
 
-def longest_fitting(records: list[dict], limits_gb=MEMORY_LIMITS_GB) -> dict[str, dict[int, int | None]]:
-    """Per method of a sweep, the longest sequence whose measured peak is within each limit. A length
-    that ran out of memory or failed is not counted, and neither is a longer one after it."""
+def longest_fitting(records: list[dict], limits_gb=MEMORY_LIMITS_GB) -> dict[str, dict[int, dict]]:
+    """Per method of a sweep and per limit in GB: ``seq``, the longest length whose measured peak is
+    within the limit (a length that failed ends the count, and so does a longer one after it); ``all``,
+    whether every length tried fitted (the true answer is then longer); ``estimate``, the length at
+    which the peak reaches the limit, taking the peak as linear in the length between the measured
+    lengths and beyond the longest (None where it cannot be said); ``measured``, whether there was a
+    peak to compare (none on a CPU); ``shortest``, the shortest length tried, and ``failed_at``, the
+    length that failed, if one did."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
     result = {}
     for method, rows in by_method.items():
+        points, failed_at = [], None
+        for r in sorted(rows, key=lambda r: r["seq"]):
+            if r["status"] != "ok":
+                failed_at = r["seq"]
+                break
+            if r.get("peak_memory_bytes") is not None:
+                points.append((r["seq"], r["peak_memory_bytes"] / 1e9))
         result[method] = {}
         for limit in limits_gb:
-            best = None
-            for r in sorted(rows, key=lambda r: r["seq"]):
-                peak = r.get("peak_memory_bytes")
-                if r["status"] != "ok" or peak is None or peak > limit * 1e9:
+            seq = None
+            for s, peak in points:  # up to the first length over the limit
+                if peak > limit:
                     break
-                best = r["seq"]
-            result[method][limit] = best
+                seq = s
+            every = bool(points) and failed_at is None and all(peak <= limit for _, peak in points)
+            result[method][limit] = dict(seq=seq, measured=bool(points), all=every,
+                                         estimate=_crossing(points, limit, failed_at),
+                                         shortest=min(r["seq"] for r in rows), failed_at=failed_at)
     return result
+
+
+def _crossing(points: list[tuple[int, float]], limit: float, failed_at: int | None) -> int | None:
+    """The length at which the piecewise-linear peak through ``points`` reaches ``limit``, rounded
+    down to a multiple of 64, beyond the longest point along the last two; None with fewer than two
+    points, when the shortest is already over the limit, or when the peak does not grow."""
+    if len(points) < 2 or points[0][1] > limit:
+        return None
+    for (s0, p0), (s1, p1) in zip(points, points[1:]):
+        if p1 > limit:
+            return int(s0 + (limit - p0) * (s1 - s0) / (p1 - p0)) // 64 * 64
+    (s0, p0), (s1, p1) = points[-2], points[-1]
+    if p1 <= p0:
+        return None
+    estimate = int(s1 + (limit - p1) * (s1 - s0) / (p1 - p0)) // 64 * 64
+    return min(estimate, failed_at) if failed_at else estimate
+
+
+def fit_text(fit: dict) -> str:
+    """One cell of the longest-fit table."""
+    if not fit["measured"]:
+        return f"< {fit['shortest']}" if fit.get("failed_at") == fit.get("shortest") else "— (no peak measured)"
+    estimate = f" (≈{fit['estimate']:,})" if fit.get("estimate") else ""
+    if fit["seq"] is None:
+        return f"< {fit['shortest']}" + estimate
+    return (f"≥ {fit['seq']} (all tried)" if fit["all"] else str(fit["seq"])) + estimate
 
 
 def sweep_section(records: list[dict]) -> list[str]:
@@ -138,7 +205,9 @@ def sweep_section(records: list[dict]) -> list[str]:
     methods = list(dict.fromkeys(r["method"] for r in sweep))
     cells = {(r["method"], r["seq"]): r for r in sweep}
     lines = ["### Peak memory against sequence length", "",
-             f"{sweep[0]['workload']}, batch {sweep[0]['batch']}; each cell: peak GB (tokens/s).", "",
+             f"{sweep[0]['workload']}, batch {sweep[0]['batch']}; each cell: peak GB (tokens/s). One process per "
+             "method runs the lengths shortest first, the peak reset between lengths; after a length that "
+             "failed, the longer ones are not run.", "",
              "| method | " + " | ".join(str(s) for s in seqs) + " |", "|---|" + "---|" * len(seqs)]
     for m in methods:
         row = []
@@ -146,18 +215,30 @@ def sweep_section(records: list[dict]) -> list[str]:
             r = cells.get((m, s))
             if r is None:
                 row.append("—")
+            elif r["status"] == "skipped":
+                row.append("not run")
             elif r["status"] != "ok":
-                row.append(r["status"])
+                row.append(f"**{r['status']}**")
             else:
                 row.append(f"{_num(r.get('peak_memory_bytes'), '.2f', 1e-9)} ({_num(r.get('tokens_per_s'), ',.0f')})")
         lines.append(f"| {m} | " + " | ".join(row) + " |")
+    notes = []
+    for m in methods:
+        first = next(r for r in sweep if r["method"] == m)
+        if first.get("notes"):
+            notes.append(f"- {m}: {_cell(first['notes'])}")
+    notes += [f"- {r['method']} at {r['seq']}: **{r['status']}**: {_cell((r.get('error') or '')[:300])}"
+              for r in sweep if r["status"] not in ("ok", "skipped")]
+    lines += [""] + notes + ([""] if notes else [])
     fits = longest_fitting(sweep)
-    lines += ["", "Longest sequence that fits (measured peak within the limit):", "",
+    lines += ["Longest sequence that fits: the longest length whose measured peak is within the limit; "
+              "(≈ n): where the peak, taken as linear in the length between and beyond the measured lengths, "
+              "reaches the limit.", "",
               "| method | " + " | ".join(f"≤ {g} GB" for g in MEMORY_LIMITS_GB) + " |",
               "|---|" + "---|" * len(MEMORY_LIMITS_GB)]
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(str(fits[m][g] or "none") for g in MEMORY_LIMITS_GB) + " |")
-    return lines + [""]
+        lines.append(f"| {m} | " + " | ".join(fit_text(fits[m][g]) for g in MEMORY_LIMITS_GB) + " |")
+    return lines + [""] + failure_outputs(sweep)
 
 
 def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str | None]:
@@ -172,7 +253,7 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
 
     files = []
     groups = _group(records, "main")
-    for key, title in (("tokens_per_s", "tokens/s"), ("peak_memory_bytes", "peak memory (GB)")):
+    for key, title in (("tokens_per_s", "tokens/s"), ("peak_memory_bytes", "peak memory (GB)")) if groups else ():
         fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(5.5 * max(len(groups), 1), 3.8), squeeze=False)
         for ax, ((workload, batch, seq), rows) in zip(axes[0], groups.items()):
             scale = 1e-9 if key == "peak_memory_bytes" else 1.0
@@ -189,20 +270,29 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
         fig.savefig(out_dir / name)
         plt.close(fig)
         files.append(name)
-    sweep = [r for r in records if r.get("suite") == "sweep" and r["status"] == "ok" and r.get("peak_memory_bytes")]
+    everything = [r for r in records if r.get("suite") == "sweep"]
+    sweep = [r for r in everything if r["status"] == "ok" and r.get("peak_memory_bytes")]
     if sweep:
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for method in dict.fromkeys(r["method"] for r in sweep):
+        top = max(max(r["peak_memory_bytes"] / 1e9 for r in sweep), max(MEMORY_LIMITS_GB)) * 1.08
+        for method in dict.fromkeys(r["method"] for r in everything):
             rows = sorted((r for r in sweep if r["method"] == method), key=lambda r: r["seq"])
-            ax.plot([r["seq"] for r in rows], [r["peak_memory_bytes"] / 1e9 for r in rows], marker="o", label=method)
+            line, = ax.plot([r["seq"] for r in rows], [r["peak_memory_bytes"] / 1e9 for r in rows], marker="o",
+                            label=method)
+            # A length that failed (out of memory, refused, timed out) stays visible: an x at the top.
+            failed = [r["seq"] for r in everything if r["method"] == method and r["status"] not in ("ok", "skipped")]
+            if failed:
+                ax.plot(failed, [top] * len(failed), marker="x", linestyle="none", color=line.get_color(),
+                        markersize=9, clip_on=False)
         for limit in MEMORY_LIMITS_GB:
             ax.axhline(limit, color="grey", linestyle=":", linewidth=1)
+        ax.set_ylim(0, top * 1.02)
         ax.set_xscale("log", base=2)
-        seqs = sorted({r["seq"] for r in sweep})
+        seqs = sorted({r["seq"] for r in everything})
         ax.set_xticks(seqs, [str(s) for s in seqs])
         ax.set_xlabel("sequence length (batch 1)")
         ax.set_ylabel("peak memory (GB)")
-        ax.set_title(f"{sweep[0]['workload']}: peak memory against sequence length")
+        ax.set_title(f"{sweep[0]['workload']}: peak memory against sequence length (x: failed)")
         ax.legend(fontsize=8)
         fig.tight_layout()
         name = f"{stem}-sweep.svg"
@@ -227,7 +317,8 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
         f"- step: forward with labels + backward + AdamW on the LoRA parameters; settings {json.dumps(run.get('settings'))}",
         "- step ms: median over the timed steps after warm-up (CUDA events); peak: torch.cuda.max_memory_allocated "
         "over the whole run; first step: wall clock of step 0 in a fresh process with empty compile caches (cold) "
-        "and, where measured, in a second process on the caches the first left (warm)",
+        "and, where measured, in a second process on the caches the first left (warm); a note in brackets says "
+        "where the caches were not the row's own",
         "- a failed row keeps its reason: **timeout** is the worker's --timeout or the end of the run's --deadline; "
         "**oom** is out of GPU memory; **skipped** was not run",
         f"- parity: losses against {REFERENCE} on the same weights and batch (relative tolerance by dtype, "
@@ -242,6 +333,7 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
         lines += [""] + [f"- {r['method']}: {_cell(r['notes'])}" for r in rows if r.get("notes")]
         summary = loracc_summary(rows)
         lines += ["", summary, ""] if summary else [""]
+        lines += failure_outputs(rows)
     lines += sweep_section(records)
     files, why = plots(records, out_dir, stem)
     lines += [f"![{name}]({name})" for name in files] or [f"_{why}_"]

@@ -1,10 +1,12 @@
-"""The benchmark suite: FLOP count, worker processes, failure rows, parity check and report."""
+"""The benchmark suite: FLOP count, plan and its time estimate, worker processes (turns, timeouts
+with the stage and a stack dump, partial sweeps), failure rows, parity check and report."""
 from __future__ import annotations
 
 import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ def _flops_from_modules(workload: str, seq: int) -> float:
     return 4 * frozen + 6 * config.num_hidden_layers * seq * heads_dim + 6 * lora
 
 
-@pytest.mark.parametrize("workload", ["qwen2-0.5b", "llama-3.2-1b", "llama-3.1-8b", "tiny"])
+@pytest.mark.parametrize("workload", ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b", "tiny"])
 def test_flops_per_token_counts_the_model_modules(workload):
     seq = bench.WORKLOADS[workload]["seq"]
     assert bench.flops_per_token(workload, seq) == pytest.approx(_flops_from_modules(workload, seq), rel=1e-9)
@@ -49,53 +51,209 @@ def test_flops_per_token_matches_anchors():
     assert bench.flops_per_token("llama-3.2-1b", 2048) == pytest.approx(0.228 * 759e12 / 32.0e3, rel=5e-3)
 
 
+def test_8b_model_is_built_in_bf16_on_the_target_device_without_an_fp32_copy():
+    """The 8B shape, built the way a worker builds it, on the meta device: every tensor created
+    along the way is bf16 (an fp32 copy of 8B parameters would need 32 GB) and on that device."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Created(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() >= 1 << 20:
+                    self.big.append((str(func), t.dtype, t.device.type))
+            return out
+
+    with Created() as created:
+        model = bench.make_base("llama-3-8b", "meta")
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) == pytest.approx(8.03e9, rel=2e-3)  # Llama-3-8B's count
+    assert {p.dtype for p in params} == {torch.bfloat16} and {p.device.type for p in params} == {"meta"}
+    assert created.big and all(dtype == torch.bfloat16 and device == "meta" for _, dtype, device in created.big), \
+        [b for b in created.big if b[1] != torch.bfloat16 or b[2] != "meta"][:5]
+
+
+def _plan(*argv):
+    """The jobs bench.py would run for ``argv`` (parsed as main() parses them)."""
+    parser_args = {}
+    original = bench.plan
+
+    def capture(args):
+        parser_args["args"] = args
+        return original(args)
+
+    bench.plan = capture
+    try:
+        assert bench.main([*argv, "--estimate"]) == 0
+    finally:
+        bench.plan = original
+    return parser_args["args"], original(parser_args["args"])
+
+
+def test_quick_plan_fits_five_minutes(capsys):
+    args, jobs = _plan("--quick")
+    out = capsys.readouterr().out
+    rows = [(j.workload, j.method) for j in jobs if j.warm_of is None]
+    assert rows == [("llama-3.2-1b", m) for m in ["peft-eager", "peft-liger", "loracc", "loracc-budget", "peft-compile"]] \
+        + [("qwen2-0.5b", m) for m in ["peft-eager", "loracc", "loracc-budget"]]
+    assert all(j.steps >= 10 and j.warmup == 2 and j.seqs == [bench.WORKLOADS[j.workload]["seq"]]
+               for j in jobs if j.warm_of is None)
+    # loracc's warm first step, on the caches its cold process left, on the first workload.
+    warm = [j for j in jobs if j.warm_of is not None]
+    assert [(j.workload, j.method) for j in warm] == [("llama-3.2-1b", "loracc")]
+    assert jobs[warm[0].warm_of].method == "loracc" and jobs[warm[0].warm_of].cache == warm[0].cache
+    budget = [j for j in jobs if j.method == "loracc-budget"]
+    assert all(j.cache == f"{j.workload}-loracc" and "not cold" in j.cache_note for j in budget)
+    assert args.deadline == bench.QUICK_DEADLINE_S < 300
+    assert bench.estimate(jobs) < 285
+    assert "estimated" in out and "min) on an H100" in out
+
+
+def test_sweep_plan_and_8b_plan(capsys):
+    args, jobs = _plan("--sweep")
+    assert [j.method for j in jobs] == bench.SWEEP_METHODS and all(j.suite == "sweep" for j in jobs)
+    assert all(j.workload == "llama-3.2-1b" and j.batch == 1 and j.seqs == [512, 1024, 2048, 4096, 8192] for j in jobs)
+    assert [j.method for j in jobs if j.dynamic] == ["peft-compile"]
+    assert {j.method for j in jobs if j.cache == "sweep-loracc"} == {"loracc", "loracc-8gb"}
+    assert bench.estimate(jobs) < 330
+    _, jobs = _plan("--workload", "llama-3-8b", "--method", "peft-eager,loracc")
+    assert [(j.method, j.batch, j.seqs, j.warm_of is not None) for j in jobs] == [
+        ("peft-eager", 1, [2048], False), ("loracc", 1, [2048], False), ("loracc", 1, [2048], True)]
+    assert bench.estimate(jobs) < 180
+    with pytest.raises(SystemExit):
+        bench.main(["--method", "peft-eager,nope", "--estimate"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_workers_run_offline_and_unsloth_gets_its_own_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("UNSLOTH_SITE", "/somewhere/unsloth_site")
+    env = bench.worker_env("unsloth", tmp_path)
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["UNSLOTH_DISABLE_STATISTICS"] == "1"
+    assert env["PYTHONUNBUFFERED"] == "1" and env["UNSLOTH_FORCE_SINGLE_COMPILE_WORKER"] == "0"
+    assert "/somewhere/unsloth_site" in env["PYTHONPATH"].split(":")
+    assert env["UNSLOTH_COMPILE_LOCATION"].startswith(str(tmp_path))
+    other = bench.worker_env("loracc", tmp_path)
+    assert "/somewhere/unsloth_site" not in other["PYTHONPATH"] and other["HF_HUB_OFFLINE"] == "1"
+    assert "UNSLOTH_COMPILE_LOCATION" not in other
+
+
 def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "tiny.json"
-    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--tiny", "--method", "peft-eager", "--method", "loracc",
-           "--method", "peft-liger", "--out", str(out), "--report-dir", str(tmp_path / "report")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--tiny", "--method", "peft-eager,loracc", "--method",
+           "peft-liger", "--warm", "--out", str(out), "--report-dir", str(tmp_path / "report")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["run"]["matmul_tflops"] > 0 and data["run"]["command"].startswith("python ")
     rows = {r["method"]: r for r in data["records"]}
-    assert set(rows) == {"peft-eager", "loracc", "peft-liger"}
+    assert len(data["records"]) == 3 and set(rows) == {"peft-eager", "loracc", "peft-liger"}
     for method in ("peft-eager", "loracc"):
         r = rows[method]
         assert r["status"] == "ok", r
         assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_ms"] * 1e3)
         assert r["mfu"] > 0 and r["first_step_s"] > 0 and len(r["losses"]) == 3
+        assert r["setup_s"] > 0 and r["import_s"] >= 0
     eager, compiled = rows["peft-eager"]["losses"], rows["loracc"]["losses"]
     assert eager[-1] < eager[0], "the loss must fall, or the parity check cannot see wrong gradients"
     assert compiled == pytest.approx(eager, rel=1e-4)
+    # Cold and warm first step of loracc: the warm one from a second process (eager compiles nothing).
+    assert rows["loracc"]["first_step_warm_s"] > 0 and rows["peft-eager"]["first_step_warm_s"] is None
     assert rows["peft-liger"]["status"] == "skipped" and "CUDA" in rows["peft-liger"]["error"]
     readme = (tmp_path / "report" / "README.md").read_text()
     assert "| loracc | ok |" in readme and "**skipped**: needs a CUDA GPU" in readme
-    assert readme.count("| ok |") >= 1  # loracc's parity verdict against eager
+    warm = rows["loracc"]["first_step_warm_s"]
+    assert f"| {rows['loracc']['first_step_s']:.1f} / {warm:.1f} |" in readme
+    assert "summary:" in proc.stdout and "/ warm" in proc.stdout
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--tiny", "--sweep", "--method", "peft-eager,loracc,loracc-8gb",
+           "--out", str(out), "--report-dir", str(tmp_path / "report")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    assert all(r["suite"] == "sweep" and r["batch"] == 1 for r in records)  # --sweep alone: no main rows
+    assert sorted((r["method"], r["seq"]) for r in records) == sorted(
+        (m, s) for m in ["peft-eager", "loracc", "loracc-8gb"] for s in bench.TINY_SWEEP_SEQS)
+    assert all(r["status"] == "ok" and r["tokens_per_step"] == r["seq"] and len(r["losses"]) == 2 for r in records)
+    assert {r["notes"].split(",")[0] for r in records if r["method"] == "loracc-8gb"} == {"memory_budget='8GB'"}
+    # One process per method, the optimizer kept across lengths: the loss keeps falling from length to length.
+    eager = [r for r in records if r["method"] == "peft-eager"]
+    assert eager[0]["losses"][0] > eager[-1]["losses"][-1]
+    readme = (tmp_path / "report" / "README.md").read_text()
+    assert "### Peak memory against sequence length" in readme and "| method | 16 | 32 | 64 |" in readme
+    assert "| loracc-8gb | — (no peak measured) | — (no peak measured) |" in readme  # a CPU has no peak
+    assert "longest sequence within the measured peak" in proc.stdout
 
 
 def _args(**overrides):
-    values = dict(cuda=False, timeout=300, steps=1, warmup=1, loracc_budget="0.1", warm=False)
+    values = dict(cuda=False, timeout=300, unsloth_timeout=300, loracc_budget="0.1", try_without_gpu=False)
     return argparse.Namespace(**{**values, **overrides})
 
 
-def test_timeout_becomes_a_row():
-    row = bench.run_row("peft-eager", "tiny", 2, 32, _args(timeout=0.5), "main", deadline=float("inf"))
-    assert row["status"] == "timeout" and "no result within" in row["error"]
+def _job(method="peft-eager", seqs=(32,), suite="main", **fields):
+    return bench.Job(method, "tiny", 2 if suite == "main" else 1, list(seqs), suite, fields.pop("steps", 1),
+                     fields.pop("warmup", 1), cache=method, **fields)
 
 
-def test_worker_crash_becomes_a_row_and_deadline_skips():
-    row = bench.run_row("no-such-method", "tiny", 2, 32, _args(), "main", deadline=float("inf"))
-    assert row["status"] == "error" and "exited with code 2" in row["error"] and "invalid choice" in row["error"]
-    row = bench.run_row("peft-eager", "tiny", 2, 32, _args(), "main", deadline=0.0)
-    assert row["status"] == "skipped" and "deadline" in row["error"]
+def _run(jobs, args, tmp_path, deadline=float("inf"), ready_first=False):
+    """run_jobs, collecting the rows; with ``ready_first`` the first worker has done its imports
+    before its turn, so that a short timeout measures the run itself."""
+    rows = {}
+    started = {}
+    if ready_first:
+        worker = bench.start_worker(jobs, 0, args, tmp_path)
+        for _ in range(600):
+            if worker.progress.exists() and "waiting" in worker.progress.read_text():
+                break
+            time.sleep(0.1)
+        started = {0: worker}
+    bench.run_jobs(jobs, args, deadline, tmp_path, lambda i, r: rows.__setitem__(i, r), started=started)
+    return [r for i in sorted(rows) for r in rows[i]]
 
 
-def _record(method, losses=None, status="ok", tokens=1000.0, peak=5e9, seq=1024, suite="main", error=None):
-    return dict(method=method, workload="qwen2-0.5b", batch=8, seq=seq, tokens_per_step=8 * seq, dtype="bfloat16",
-                suite=suite, status=status, error=error, step_ms=8 * seq / tokens * 1e3 if status == "ok" else None,
-                tokens_per_s=tokens if status == "ok" else None, peak_memory_bytes=peak if status == "ok" else None,
-                mfu=0.1 if status == "ok" else None, first_step_s=1.0, first_step_warm_s=None,
-                losses=losses if status == "ok" else None)
+def test_timeout_names_the_stage_and_keeps_a_stack_dump(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_TEST_HANG_AT", "first step")
+    [row] = _run([_job()], _args(timeout=8), tmp_path, ready_first=True)
+    assert row["status"] == "timeout", row
+    assert row["error"].startswith("timed out at first step after 8 s (its limit of 8 s)")
+    assert "bench stage:" in row["output_tail"] and "Timeout" in row["output_tail"]
+    assert "in train" in row["output_tail"]  # faulthandler's dump: where the worker was stuck
+
+
+def test_sweep_keeps_the_lengths_it_measured_when_it_times_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_TEST_HANG_AT", "seq 32: first step")
+    rows = _run([_job(seqs=(16, 32, 64), suite="sweep")], _args(timeout=12), tmp_path, ready_first=True)
+    assert [(r["seq"], r["status"]) for r in rows] == [(16, "ok"), (32, "timeout"), (64, "skipped")]
+    assert rows[0]["peak_memory_bytes"] is None and rows[0]["losses"]
+    assert rows[1]["error"].startswith("timed out at seq 32: first step") and "not run" in rows[2]["error"]
+
+
+def test_worker_failures_become_rows_and_deadline_skips(tmp_path, monkeypatch):
+    monkeypatch.delenv("UNSLOTH_SITE", raising=False)
+    rows = _run([_job("no-such-method"), _job("unsloth", warmup=1)], _args(try_without_gpu=True), tmp_path)
+    assert rows[0]["status"] == "error" and "exited with code 2 at start" in rows[0]["error"]
+    assert "invalid choice" in rows[0]["output_tail"]
+    # Unsloth is not installed here: its row says so, and at which stage, quickly.
+    assert rows[1]["status"] == "error" and rows[1]["error"].startswith("at unsloth import: ModuleNotFoundError"), rows[1]
+    assert "unsloth" in rows[1]["error"] and "Traceback" in rows[1]["output_tail"] and rows[1]["wall_s"] < 120
+    rows = _run([_job(), _job("peft-liger")], _args(), tmp_path / "b", deadline=0.0)
+    assert rows[0]["status"] == "skipped" and "deadline" in rows[0]["error"]
+    assert rows[1]["status"] == "skipped" and rows[1]["error"] == "needs a CUDA GPU"
+
+
+def _record(method, losses=None, status="ok", tokens=1000.0, peak=5e9, seq=1024, suite="main", error=None, **extra):
+    return {**dict(method=method, workload="qwen2-0.5b", batch=8, seq=seq, tokens_per_step=8 * seq, dtype="bfloat16",
+                   suite=suite, status=status, error=error, step_ms=8 * seq / tokens * 1e3 if status == "ok" else None,
+                   tokens_per_s=tokens if status == "ok" else None, peak_memory_bytes=peak if status == "ok" else None,
+                   mfu=0.1 if status == "ok" else None, first_step_s=1.0, first_step_warm_s=None,
+                   losses=losses if status == "ok" else None), **extra}
 
 
 def test_parity_flags_wrong_losses_and_missing_learning():
@@ -107,21 +265,43 @@ def test_parity_flags_wrong_losses_and_missing_learning():
     assert report.parity(_record("d", status="oom"), eager) == ""
 
 
-def test_longest_fitting_stops_at_the_first_failure():
-    rows = [_record("m", [1.0], peak=p * 1e9, seq=s, suite="sweep") for s, p in [(512, 3), (1024, 7), (2048, 20)]]
-    rows += [_record("m", seq=4096, status="oom", suite="sweep"), _record("m", [1.0], peak=23e9, seq=8192, suite="sweep")]
-    assert report.longest_fitting(rows) == {"m": {8: 1024, 24: 2048}}
+def test_longest_fitting_measures_and_estimates():
+    def sweep(method, points, fail=None):
+        rows = [_record(method, [1.0], peak=p * 1e9, seq=s, suite="sweep") for s, p in points]
+        return rows + ([_record(method, seq=fail, status="oom", suite="sweep")] if fail else [])
+
+    rows = sweep("m", [(512, 3), (1024, 7), (2048, 20)], fail=4096) + sweep("m", [(8192, 23)])  # after the oom
+    rows += sweep("low", [(512, 2), (1024, 3), (2048, 5)])  # every length fits: linear beyond
+    rows += sweep("high", [(512, 9), (1024, 12)])
+    rows += sweep("capped", [(512, 2), (1024, 3)], fail=2048)
+    rows += sweep("none", [], fail=512)
+    fits = report.longest_fitting(rows)
+    assert {g: f["seq"] for g, f in fits["m"].items()} == {8: 1024, 24: 2048}
+    assert fits["m"][8]["estimate"] == 1088  # 1024 + 1/13 of the way to 2048, down to a multiple of 64
+    assert fits["m"][24]["estimate"] == 2304 and not fits["m"][24]["all"]  # beyond 2048 along the last segment
+    assert fits["low"][24]["all"] and fits["low"][8]["all"]
+    assert fits["low"][8]["estimate"] == 3584 and fits["low"][24]["estimate"] == 11776
+    assert fits["capped"][24]["estimate"] == 2048  # not beyond the length that ran out of memory
+    assert fits["high"][8]["seq"] is None and fits["high"][8]["estimate"] is None and fits["high"][24]["all"]
+    assert report.fit_text(fits["low"][8]) == "≥ 2048 (all tried) (≈3,584)"
+    assert report.fit_text(fits["m"][8]) == "1024 (≈1,088)" and report.fit_text(fits["high"][8]) == "< 512"
+    assert report.fit_text(fits["none"][8]) == "< 512"
 
 
 def test_report_shows_failures_and_where_loracc_loses(tmp_path):
     records = [
         _record("peft-eager", [12.0, 11.5, 11.0], tokens=1000),
         _record("peft-compile", [12.0, 11.5, 11.0], tokens=2000, peak=9e9),
-        _record("loracc", [12.0, 11.5, 11.0], tokens=1500, peak=4e9),
+        _record("loracc", [12.0, 11.5, 11.0], tokens=1500, peak=4e9, first_step_warm_s=0.5),
+        _record("loracc-budget", [12.0, 11.5, 11.0], tokens=1400, peak=3e9, first_step_cache="caches of loracc"),
         _record("peft-liger", status="oom", error="CUDA out of memory. Tried to allocate 2.00 GiB"),
-        _record("unsloth", status="error", error="ImportError: no module named | unsloth_zoo"),
+        _record("unsloth", status="timeout", error="timed out at unsloth import after 180 s (its limit of 180 s)",
+                output_tail="bench stage: 0.1 unsloth import\nThread 0x1 (most recent call first):\n  File \"x.py\", line 3 in wait"),
+        _record("other", status="error", error="ImportError: no module named | unsloth_zoo"),
         _record("peft-eager", [12.0], seq=512, peak=3e9, suite="sweep"),
         _record("peft-eager", [12.0], seq=1024, peak=9e9, suite="sweep"),
+        _record("loracc", [12.0], seq=512, peak=2e9, suite="sweep"),
+        _record("loracc", seq=1024, status="oom", suite="sweep", error="CUDA out of memory", output_tail="OOM here"),
     ]
     run = dict(date="2026-01-01T00:00:00+00:00", device="GPU X", command="python benchmarks/bench.py --quick",
                matmul_tflops=700.0, matmul="bfloat16 8192", versions={"torch": "2.11"}, settings={})
@@ -130,10 +310,17 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
     readme = report.write_report([path], tmp_path).read_text()
     assert "**oom**: CUDA out of memory" in readme
     assert "ImportError: no module named \\| unsloth_zoo" in readme  # escaped, the table stays intact
+    assert "**timeout**: timed out at unsloth import after 180 s" in readme
+    assert "<summary>unsloth: timeout, end of its output</summary>" in readme and "line 3 in wait" in readme
+    assert "| 1.0 / 0.5 |" in readme and "| 1.0 (caches of loracc) |" in readme  # cold / warm; shared caches
     assert "loracc is slower than the fastest peer in this run (peft-compile): 1,500 vs 2,000 tokens/s (0.75×)" in readme
     assert "| peft-eager | 3.00 (1,000) | 9.00 (1,000) |" in readme  # peak GB (tokens/s) per length
-    assert "| peft-eager | 512 | 1024 |" in readme  # longest within 8 GB, 24 GB
+    assert "| loracc | 2.00 (1,000) | **oom** |" in readme and "<summary>loracc, seq 1024: oom" in readme
+    assert "| peft-eager | 512 (≈896) | ≥ 1024 (all tried) (≈2,304) |" in readme  # longest within 8 GB, 24 GB
+    assert "| loracc | 512 | 512 |" in readme  # one point: no estimate; the oom ends it
     assert "GPU X, 2026-01-01" in readme and "python benchmarks/bench.py --quick" in readme
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench-x-sweep.svg").exists() and "![bench-x-sweep.svg](bench-x-sweep.svg)" in readme
 
 
 def test_report_rejects_foreign_json(tmp_path):
