@@ -1,0 +1,183 @@
+"""Fused pointwise/reduction kernels on the GPU: bandwidth of each kernel, and the step with and without them.
+
+    python benchmarks/fused_rows.py --workload qwen2-0.5b --workload llama-3.2-1b --out results/
+
+Part 1 (kernels): compiles the workload with loracc, takes every group the ``fusion`` pass made
+in the block and head regions (forward and backward), and times its generated kernel and the same
+ops run eagerly (ATen, one kernel per op) on random inputs laid out as in the step; bandwidth =
+the bytes the kernel must read and write (each input and output once) / its time, against the
+device-to-device copy bandwidth measured in the same run (``y.copy_(x)``, 1 GiB, read + write).
+
+Part 2 (steps): each variant in its own process: eager PEFT, loracc without the fusion pass (its
+groups left as ATen ops), loracc; median step time over ``--steps`` steps after warm-up, peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+
+def _median_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _median_ms(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e6  # GB/s
+
+
+def _random_like(val: torch.Tensor) -> torch.Tensor:
+    span = 1 + sum((s - 1) * st for s, st in zip(val.shape, val.stride()))
+    return torch.randn(span, device="cuda").to(val.dtype).as_strided(val.shape, val.stride())
+
+
+def _bytes(val: torch.Tensor) -> int:
+    # Broadcast inputs (cos/sin, norm weights) are read from cache: count their storage once.
+    span = 1 + sum((s - 1) * st for s, st in zip(val.shape, val.stride()) if st)
+    return span * val.element_size()
+
+
+def kernels(workload: str) -> list[dict]:
+    import loracc
+    from loracc.codegen.fused_rows import RowKernel
+    from loracc.passes.fusion import FusedRows
+
+    model, peft_model, _ = bench.build_model(workload, "loracc", "cuda")
+    loracc.compile(peft_model, backend="triton")
+    spec = bench.WORKLOADS[workload]
+    ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    rows = []
+    for region in peft_model._loracc.regions:
+        program = region.latest
+        if program is None:
+            continue
+        for stage in ("forward", "backward"):
+            for node in program.stages[stage].graph.nodes:
+                if not isinstance(node.target, FusedRows):
+                    continue
+                group = node.target
+                kernel = RowKernel(group)
+                inputs = [_random_like(v) if isinstance(v, torch.Tensor) else v for v in group.input_vals]
+                moved = sum(_bytes(v) for v in group.input_vals) + sum(_bytes(v) for v in kernel.output_vals)
+                fused_ms = _median_ms(lambda: kernel(*inputs))
+                eager_ms = _median_ms(lambda: group(*inputs))
+                rows.append(dict(
+                    workload=workload, region=region.name, stage=stage, node=node.name, kernel=kernel.name,
+                    ops=len(group.ops), rows=list(group.rows), width=kernel.width, bytes=moved,
+                    fused_ms=fused_ms, eager_ms=eager_ms, gbps=moved / fused_ms / 1e6, speedup=eager_ms / fused_ms,
+                ))
+                print(f"{workload:14s} {stage:8s} {kernel.name:48s} {len(group.ops):3d} ops "
+                      f"{moved / 2**20:8.1f} MiB {fused_ms:7.3f} ms ({moved / fused_ms / 1e6:6.0f} GB/s) "
+                      f"eager {eager_ms:7.3f} ms ({eager_ms / fused_ms:4.1f}x)", flush=True)
+    return rows
+
+
+def step(workload: str, variant: str, steps: int) -> dict:
+    """One variant's step time and peak memory (run in its own process)."""
+    import loracc
+    from loracc import pipeline
+    from loracc.passes import PassResult
+
+    if variant == "loracc-nofusion":
+        pipeline.fusion = lambda gm: PassResult(gm, {})
+    method = "peft-eager" if variant == "peft-eager" else "loracc"
+    model, peft_model, _ = bench.build_model(workload, method, "cuda")
+    if variant.startswith("loracc"):
+        loracc.compile(peft_model, backend="triton")
+    spec = bench.WORKLOADS[workload]
+    ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]),
+                        generator=torch.Generator().manual_seed(1)).cuda()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+    losses = []
+
+    def one():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    start = time.perf_counter()
+    one()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    for _ in range(3):
+        one()
+    torch.cuda.reset_peak_memory_stats()
+    ms = _median_ms(one, steps)
+    tokens = spec["batch"] * spec["seq"]
+    return dict(workload=workload, variant=variant, step_ms=ms, tokens_per_s=tokens / ms * 1e3,
+                peak_memory_bytes=torch.cuda.max_memory_allocated(), first_step_s=first,
+                losses=[float(x) for x in losses[:4]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS))
+    parser.add_argument("--part", choices=["kernels", "steps", "all"], default="all")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(step(*args.one, args.steps)), flush=True)
+        return
+    workloads = args.workload or ["qwen2-0.5b", "llama-3.2-1b"]
+    import triton
+    import transformers
+
+    record = dict(
+        date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+        triton=triton.__version__, transformers=transformers.__version__,
+        command="python " + " ".join(sys.argv), copy_gbps=None, kernels=[], steps=[],
+    )
+    if args.part in ("kernels", "all"):
+        record["copy_gbps"] = copy_bandwidth()
+        print(f"copy bandwidth: {record['copy_gbps']:.0f} GB/s", flush=True)
+        for workload in workloads:
+            record["kernels"] += kernels(workload)
+    if args.part in ("steps", "all"):
+        for workload in workloads:
+            for variant in ("peft-eager", "loracc-nofusion", "loracc"):
+                proc = subprocess.run([sys.executable, __file__, "--one", workload, variant, "--steps", str(args.steps)],
+                                      capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if lines:
+                    result = json.loads(lines[-1][len("RESULT "):])
+                else:
+                    result = dict(workload=workload, variant=variant, error=(proc.stderr or proc.stdout)[-2000:])
+                record["steps"].append(result)
+                print(json.dumps(result), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"fused_rows_{record['date']}_{torch.cuda.get_device_name().split()[1].lower()}.json"
+    (out / name).write_text(json.dumps(record, indent=1))
+    print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()
