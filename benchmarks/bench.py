@@ -95,12 +95,13 @@ METHODS = {
     "peft-compile-layer": "PEFT + torch.compile of each decoder layer",
     "peft-compile-budget": "PEFT + torch.compile of the whole model, activation_memory_budget 0.1",
     "unsloth": "Unsloth FastLanguageModel, bf16 LoRA, its default 'unsloth' checkpointing",
+    "unsloth-nocompile": "the same with UNSLOTH_COMPILE_DISABLE=1: its Triton kernels, no torch.compile of its layers",
     "loracc": "loracc.compile, default plan",
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
     "loracc-8gb": "loracc.compile with memory_budget='8GB' (a limit on the whole step's peak)",
 }
 LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB"}  # loracc-budget: --loracc-budget
-NEEDS_CUDA = {"peft-liger", "unsloth"}
+NEEDS_CUDA = {"peft-liger", "unsloth", "unsloth-nocompile"}
 FULL_WORKLOADS = ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b"]
 FULL_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth", "peft-compile",
                 "peft-compile-layer", "peft-compile-budget"]
@@ -113,7 +114,7 @@ QUICK_DEADLINE_S = 285
 TINY_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
 # Methods whose first step compiles; for them a second process can measure the first step warm.
 COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "loracc-8gb",
-             "peft-liger", "unsloth"}
+             "peft-liger", "unsloth", "unsloth-nocompile"}
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_WORKLOAD, SWEEP_SEQS = "llama-3.2-1b", [512, 1024, 2048, 4096, 8192]
 SWEEP_METHODS = ["peft-eager", "peft-liger", "loracc", "loracc-8gb", "peft-compile"]
@@ -186,7 +187,7 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
                 dynamic: bool = False):
     """The workload's model with PEFT LoRA, built on ``device`` from the seed (same weights for
     every method), with ``method`` applied. Returns (model to call, PEFT model, notes)."""
-    if method == "unsloth":
+    if method.startswith("unsloth"):
         progress("unsloth import")
         import unsloth  # noqa: F401  (it patches transformers, so it must come first)
         progress("model build")
@@ -198,7 +199,7 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
         import liger_kernel.transformers as liger
         getattr(liger, f"apply_liger_kernel_to_{spec['family']}")()
     base = make_base(workload, device)
-    if method == "unsloth":
+    if method.startswith("unsloth"):
         progress("unsloth load")
         return _unsloth_model(base, max_seq or spec["seq"], device)
     if method == "peft-hf-ckpt":
@@ -450,7 +451,7 @@ def worker_main(args) -> int:
     progress = Progress(args.progress_file)
     _exit_with_parent()
     progress("imports")
-    if args.method != "unsloth":  # Unsloth patches transformers and peft: it must be imported first
+    if not args.method.startswith("unsloth"):  # Unsloth patches transformers and peft: it must be imported first
         import peft  # noqa: F401
         import torch  # noqa: F401
         import transformers
@@ -578,7 +579,7 @@ def worker_env(method: str, cache: Path) -> dict:
     # Unsloth's many dependencies can live in a folder of their own ($UNSLOTH_SITE), on the path of
     # its worker only, so that they cannot change what the other methods import.
     path = [str(REPO), os.environ.get("PYTHONPATH", "")]
-    if method == "unsloth" and os.environ.get("UNSLOTH_SITE"):
+    if method.startswith("unsloth") and os.environ.get("UNSLOTH_SITE"):
         path.insert(1, os.environ["UNSLOTH_SITE"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "PYTHONUNBUFFERED": "1",
            "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
@@ -586,7 +587,7 @@ def worker_env(method: str, cache: Path) -> dict:
            # No network on the GPU machine: nothing may wait on a download, a version check or telemetry.
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if method == "unsloth":
+    if method.startswith("unsloth"):
         env.update({
             # Its usage statistics download a README from the Hub (already skipped when offline).
             "UNSLOTH_DISABLE_STATISTICS": "1",
@@ -596,6 +597,8 @@ def worker_env(method: str, cache: Path) -> dict:
             # Its generated modules go into this row's cache folder, so that the warm process finds them.
             "UNSLOTH_COMPILE_LOCATION": f"{cache}/unsloth_compiled_cache",
         })
+    if method == "unsloth-nocompile":
+        env["UNSLOTH_COMPILE_DISABLE"] = "1"
     return env
 
 
@@ -654,6 +657,7 @@ H100_FIRST_STEP_S = {
     "loracc-8gb": {"*": 45},
     "peft-liger": {"*": 6},
     "unsloth": {"*": 120},  # never measured: it timed out at 79 s
+    "unsloth-nocompile": {"*": 40},
     "*": {"*": 2.5},
 }
 H100_WARM_FIRST_STEP_S = {"peft-compile": 14, "peft-compile-budget": 14, "peft-compile-layer": 10, "*": 3.5}
@@ -724,7 +728,7 @@ def run_jobs(jobs: list[Job], args, deadline: float, folder: Path, emit, prefetc
             worker = start(index)
         if prefetch and index + 1 < len(jobs) and why_not(index + 1, ahead=True) is None:
             started[index + 1] = start(index + 1)  # its imports overlap this job's run
-        timeout = args.unsloth_timeout if job.method == "unsloth" else args.timeout
+        timeout = args.unsloth_timeout if job.method.startswith("unsloth") else args.timeout
         limit = min(timeout, deadline - time.monotonic())
         outcome = worker.run(limit)
         rows = _rows(job, outcome, limit, cut=limit < timeout)

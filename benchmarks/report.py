@@ -174,7 +174,8 @@ def longest_fitting(records: list[dict], limits_gb=MEMORY_LIMITS_GB) -> dict[str
 def _crossing(points: list[tuple[int, float]], limit: float, failed_at: int | None) -> int | None:
     """The length at which the piecewise-linear peak through ``points`` reaches ``limit``, rounded
     down to a multiple of 64, beyond the longest point along the last two; None with fewer than two
-    points, when the shortest is already over the limit, or when the peak does not grow."""
+    points, when the shortest is already over the limit, when the peak does not grow, or when the
+    guess reaches a length that failed."""
     if len(points) < 2 or points[0][1] > limit:
         return None
     for (s0, p0), (s1, p1) in zip(points, points[1:]):
@@ -184,7 +185,7 @@ def _crossing(points: list[tuple[int, float]], limit: float, failed_at: int | No
     if p1 <= p0:
         return None
     estimate = int(s1 + (limit - p1) * (s1 - s0) / (p1 - p0)) // 64 * 64
-    return min(estimate, failed_at) if failed_at else estimate
+    return None if failed_at and estimate >= failed_at else estimate  # past a length that failed: unknown
 
 
 def fit_text(fit: dict) -> str:
@@ -286,6 +287,8 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
                         markersize=9, clip_on=False)
         for limit in MEMORY_LIMITS_GB:
             ax.axhline(limit, color="grey", linestyle=":", linewidth=1)
+            ax.text(0.99, limit, f"{limit} GB", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
+                    color="grey", fontsize=8)
         ax.set_ylim(0, top * 1.02)
         ax.set_xscale("log", base=2)
         seqs = sorted({r["seq"] for r in everything})
