@@ -68,8 +68,11 @@ def test_compiled_llama_matches(dropout, targets):
         assert rel_err(grad, ref_grads[name]) < 1e-4, name
     report = model._loracc.backend.report
     assert {e["stage"] for e in report} == {"forward", "backward"}
-    lora = [e for e in report if not e["node"].startswith("fused_rows")]
+    lora = [e for e in report if e["node"].startswith("lora_linear")]
     assert lora and all(e["runs"].startswith("fused") for e in lora), report
+    # The head's projection + loss: the chunked softmax kernel.
+    assert [e["runs"] for e in report if e["node"].startswith("linear_cross_entropy")] == ["generated kernel (chunked softmax)"]
+    assert all(e["node"].startswith(("lora_linear", "fused_rows", "linear_cross_entropy")) for e in report), report
     # Norms, rotary embeddings, SwiGLU: generated kernels in both the forward and the backward.
     rows = [e for e in report if e["node"].startswith("fused_rows")]
     assert {e["stage"] for e in rows} == {"forward", "backward"}

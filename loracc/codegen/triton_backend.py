@@ -3,7 +3,8 @@
 Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case the kernels cover
 (see ``lora_linear.unsupported``) calls ``lora_linear.lora_linear`` / ``lora_linear_backward``
 instead; every group the ``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
-(``fused_rows.RowKernel``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
+(``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
+chunk (``cross_entropy``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch.fx as fx
 
 from ..errors import LoraccError
 from ..graph import copy_graph, info
+from ..cross_entropy import LINEAR_CROSS_ENTROPY
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..passes.fusion import FusedRows
-from . import fused_rows, lora_linear
+from . import cross_entropy, fused_rows, lora_linear
 
 
 def available(device: torch.device) -> str | None:
@@ -53,6 +55,14 @@ class TritonBackend:
                 node.target = kernel
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
                                     "runs": f"generated kernel {kernel.name}"})
+                continue
+            if node.op == "call_function" and node.target is LINEAR_CROSS_ENTROPY:
+                hidden, weight, labels = (a.meta.get("val") for a in node.args[:3])
+                reason = cross_entropy.unsupported(hidden, weight, labels)
+                if reason is None:
+                    node.target = cross_entropy.linear_cross_entropy
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
+                                    "runs": "generated kernel (chunked softmax)" if reason is None else f"reference op: {reason}"})
                 continue
             if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
                 continue

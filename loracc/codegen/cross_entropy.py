@@ -1,0 +1,67 @@
+"""``loracc::linear_cross_entropy`` with its softmax in one Triton kernel (``templates/cross_entropy.py.jinja``).
+
+Per chunk of rows: the logits GEMM (cuBLAS, in the weight's dtype), then one kernel that reads
+each row twice (a running-max logsumexp, then the gradient) and writes the loss of the row and,
+over the logits, their gradient ``s·(softmax − onehot)`` in the weight's dtype; then the GEMM for
+the hidden states' gradient. The ATen reference (``loracc.cross_entropy``) makes an fp32 copy of
+the chunk and passes over it about ten times; the arithmetic is the same (fp32 softmax, the
+gradient scaled before its cast), so the two agree to fp32 rounding of the softmax.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import cross_entropy as reference
+from . import cache
+from .render import render
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def source(vocab: int, dtype: torch.dtype, ignore_index: int) -> tuple[str, str]:
+    name = f"cross_entropy_rows_v{vocab}_{DTYPE_NAMES[dtype]}"
+    return name, render("cross_entropy.py.jinja", name=name, V=vocab, dtype=DTYPE_NAMES[dtype], ignore_index=ignore_index)
+
+
+@functools.cache
+def _kernel(vocab: int, dtype: torch.dtype, ignore_index: int, device: torch.device):
+    name, text = source(vocab, dtype, ignore_index)
+    return cache.load_kernel(name, text, device)
+
+
+def block_v(vocab: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 64  # the interpreter: small blocks, and test vocabularies are not multiples of them
+    return min(4096, 1 << (vocab - 1).bit_length())
+
+
+def linear_cross_entropy(hidden, weight, labels, count, ignore_index: int, chunk_rows: int):
+    """Same contract as ``loracc.cross_entropy.linear_cross_entropy``: ``(loss, grad_hidden)``."""
+    vocab = weight.shape[0]
+    kernel = _kernel(vocab, weight.dtype, int(ignore_index), hidden.device)
+    block = block_v(vocab, hidden.device)
+    scale = (1.0 / count.to(torch.float32)).reshape(())
+    row_loss = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden)
+    labels = labels.contiguous()
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        logits = hidden[rows] @ weight.t()
+        n = logits.shape[0]
+        kernel[(n,)](logits, labels[rows], row_loss[rows], scale, BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
+        torch.matmul(logits, weight, out=grad_hidden[rows])
+    return row_loss.sum() * scale, grad_hidden
+
+
+def unsupported(hidden, weight, labels) -> str | None:
+    """Why the kernel cannot run this call (the reference op runs it), or None."""
+    if weight.dtype not in DTYPE_NAMES or hidden.dtype != weight.dtype:
+        return f"hidden {hidden.dtype} / weight {weight.dtype}: the kernel takes one float dtype"
+    if labels.dtype != torch.int64:
+        return f"labels are {labels.dtype}, not int64"
+    return None
+
+
+__all__ = ["linear_cross_entropy", "unsupported", "reference"]

@@ -1,0 +1,65 @@
+"""The cross-entropy kernel (``codegen.cross_entropy``) against the ATen reference op and PyTorch's loss.
+
+Vocabularies are not multiples of the kernel's block; ignored tokens, several chunks, and the
+gradient buffer poisoned before the run. On the CPU the kernel runs in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from loracc import cross_entropy as reference
+from loracc.codegen import cross_entropy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("chunk_rows", [5, 64])
+def test_kernel_matches_reference_and_torch(dtype, tol, chunk_rows):
+    n, h, v = 37, 24, 151
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, h, generator=generator).to(dtype).to(DEVICE)
+    weight = torch.randn(v, h, generator=generator).to(dtype).to(DEVICE)
+    labels = torch.randint(0, v, (n,), generator=generator).to(DEVICE)
+    labels[::4] = -100
+    count = (labels != -100).sum()
+    loss, grad_hidden = cross_entropy.linear_cross_entropy(hidden, weight, labels, count, -100, chunk_rows)
+    ref_loss, ref_grad = reference.linear_cross_entropy(hidden, weight, labels, count, -100, chunk_rows)
+    assert loss.dtype == torch.float32 and grad_hidden.dtype == dtype
+    assert rel_err(loss, ref_loss) <= tol
+    assert rel_err(grad_hidden.float(), ref_grad.float()) <= tol
+    # Against PyTorch's own loss and autograd, in fp32.
+    h32 = hidden.float().requires_grad_(True)
+    want = F.cross_entropy(h32 @ weight.float().t(), labels, ignore_index=-100)
+    want.backward()
+    assert rel_err(loss, want.detach()) <= tol
+    assert rel_err(grad_hidden.float(), h32.grad) <= tol
+
+
+def test_every_gradient_row_is_written_and_ignored_rows_are_zero(monkeypatch):
+    n, h, v = 23, 16, 97
+    hidden, weight = torch.randn(n, h, device=DEVICE), torch.randn(v, h, device=DEVICE)
+    labels = torch.randint(0, v, (n,), device=DEVICE)
+    labels[3] = labels[11] = -100
+    poisoned = torch.full((n, h), float("nan"), device=DEVICE)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned if t.shape == (n, h) else torch.zeros_like(t, **kw))
+    _, grad_hidden = cross_entropy.linear_cross_entropy(hidden, weight, labels, (labels != -100).sum(), -100, 8)
+    assert grad_hidden is poisoned and not grad_hidden.isnan().any()
+    assert grad_hidden[3].abs().max() == 0 and grad_hidden[11].abs().max() == 0
+    assert grad_hidden[4].abs().max() > 0
+
+
+def test_kernel_source_names_vocab_and_dtype():
+    name, text = cross_entropy.source(151936, torch.bfloat16, -100)
+    assert name == "cross_entropy_rows_v151936_bf16" and f"def {name}(" in text
+    assert "151936" in text and "# loracc kernel" in text
+
+
+def test_unsupported_cases_say_why():
+    h, w = torch.randn(3, 4), torch.randn(5, 4, dtype=torch.bfloat16)
+    assert "one float dtype" in cross_entropy.unsupported(h, w, torch.zeros(3, dtype=torch.int64))
+    assert "int32" in cross_entropy.unsupported(h, h.new_empty(5, 4), torch.zeros(3, dtype=torch.int32))
+    assert cross_entropy.unsupported(h, torch.randn(5, 4), torch.zeros(3, dtype=torch.int64)) is None
