@@ -1,0 +1,127 @@
+"""The fusion pass: which nodes become one group, and that the graph computes the same values."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from conftest import rel_err
+from loracc.passes.fusion import FusedRows, fusion
+
+aten = torch.ops.aten
+
+
+def _groups(gm):
+    return [n.target for n in gm.graph.nodes if isinstance(n.target, FusedRows)]
+
+
+def _check_same(fn, inputs, seed=5):
+    """Trace ``fn``, fuse, and compare the fused graph (groups run as their reference) with ``fn``
+    on fresh random inputs of the same shapes."""
+    gm = make_fx(fn)(*inputs)
+    result = fusion(gm)
+    gm.graph.lint()
+    generator = torch.Generator().manual_seed(seed)
+    fresh = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in inputs]
+    for got, want in zip(gm(*fresh), fn(*fresh)):
+        assert rel_err(got, want) <= 1e-6
+    return gm, result.report
+
+
+def test_rms_norm_forward_is_one_group_and_views_stay_outside():
+    def fn(x, w):
+        h = x.float()
+        y = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return (y.view(-1, 3, 10).transpose(0, 1),)
+
+    gm, report = _check_same(fn, [torch.randn(4, 7, 30), torch.randn(30)])
+    (group,) = _groups(gm)
+    assert report["groups"] == 1
+    assert {"rsqrt", "mean", "pow"} <= {op.split(".")[0] for op in group.ops}
+    assert group.rows == (4, 7)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert aten.view.default in targets and aten.transpose.int in targets  # views are not copied
+
+
+def test_a_single_op_is_left_alone():
+    gm, report = _check_same(lambda x, y: (x + y,), [torch.randn(5, 9), torch.randn(5, 9)])
+    assert report["groups"] == 0 and not _groups(gm)
+
+
+def test_groups_never_read_themselves_through_an_outside_op():
+    # a = sigmoid(x) feeds the matmul, whose result b reads together with a: a and b cannot be one
+    # kernel (the matmul runs between them), so they stay two groups (or ops), in a valid order.
+    def fn(x, w):
+        a = torch.sigmoid(x) * 2.0
+        m = a @ w
+        return (torch.tanh(m) + a.sum(-1, keepdim=True) * 0.5,)
+
+    gm, _ = _check_same(fn, [torch.randn(6, 8), torch.randn(8, 8)])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            assert order[arg] < order[node]
+
+
+def test_outside_readers_between_members_move_after_the_group():
+    # x → s = sin-free chain: e = exp(x); outside: m = e @ w; then f = e * 3 (same group as e) is
+    # read by the output; the matmul reads e, which now comes out of the fused call.
+    def fn(x, w):
+        e = torch.exp(x) + 1.0
+        m = e @ w
+        f = e * 3.0 - 1.0
+        return m, f
+
+    gm, report = _check_same(fn, [torch.randn(5, 8), torch.randn(8, 4)])
+    assert report["groups"] == 1
+
+
+def test_reductions_over_other_dims_or_without_keepdim_are_not_fused():
+    def fn(x):
+        a = (x * 2.0).sum(0, keepdim=True)
+        b = (x * 3.0).sum(-1)
+        return a + 1.0, b + 1.0
+
+    gm, _ = _check_same(fn, [torch.randn(5, 8)])
+    for group in _groups(gm):
+        assert not any(op.startswith("sum") for op in group.ops)
+
+
+def test_rotary_slices_and_cat_join_the_group():
+    def rotary(q, cos, sin):
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return (q * cos + rotated * sin,)
+
+    q = torch.randn(2, 9, 3, 12).transpose(1, 2)
+    gm = make_fx(rotary)(q, torch.randn(1, 1, 9, 12), torch.randn(1, 1, 9, 12))
+    fusion(gm)
+    (group,) = _groups(gm)
+    assert "cat" in group.ops and "neg" in group.ops
+    fresh = [torch.randn(2, 9, 3, 12).transpose(1, 2), torch.randn(1, 1, 9, 12), torch.randn(1, 1, 9, 12)]
+    assert rel_err(gm(*fresh)[0], rotary(*fresh)[0]) <= 1e-6
+
+
+def test_swiglu_backward_is_fused():
+    def fn(gate, up, grad):
+        gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = F.silu(gate) * up
+            return torch.autograd.grad(out, (gate, up), grad)
+
+    gm, report = _check_same(fn, [torch.randn(3, 5, 11) for _ in range(3)])
+    assert any("silu_backward" in op for g in _groups(gm) for op in g.ops)
+
+
+def test_compiled_block_graphs_carry_fused_nodes_with_their_members():
+    import loracc
+    from loracc.presets import preset
+
+    model, batch = preset("llama")
+    model = loracc.compile(model, backend="eager")
+    model(**batch).loss.backward()
+    program = next(r for r in model._loracc.regions if r.kind == "block").latest
+    report = program.reports["fusion"]
+    assert report["forward"]["groups"] >= 4 and report["backward"]["groups"] >= 4
+    fused = [n for n in program.stages["backward"].graph.nodes if isinstance(n.target, FusedRows)]
+    assert all(n.meta["loracc"]["fused"] for n in fused)
