@@ -16,9 +16,10 @@ compile caches are its own; a method that fails, runs out of memory or out of ti
 says so (with the stage it was in and the tail of its output) and the run goes on. While one worker
 runs, the next one imports torch, transformers and peft, then waits: it touches the GPU only once
 the previous one has ended (Unsloth's worker imports nothing early: Unsloth must come first). A
-worker's --timeout counts from its turn; Unsloth has its own, shorter --unsloth-timeout, and a
-worker dumps its Python stacks to its output shortly before its time runs out, so that a row that
-timed out shows where.
+worker's --timeout counts from its turn; Unsloth has its own, shorter --unsloth-timeout. A failed
+row keeps the end of its worker's output (``output_tail``: stages, warnings, traceback), and a worker
+dumps its Python stacks shortly before its time runs out, so that a row that timed out says at which
+stage and shows where (``stack_dump``, innermost frame first).
 
 First step. ``first_step_s`` is the wall clock of step 0 in a fresh process whose compile caches
 (TorchInductor, Triton, loracc's kernels, Unsloth's compiled modules) are empty: the cold first
@@ -466,8 +467,10 @@ def worker_main(args) -> int:
         limit = turn["timeout"] - (time.time() - turn["at"])  # the orchestrator's clock started at "at"
     ready = time.perf_counter()
     if limit:
-        # Where it hangs: the stacks of every thread go to stderr shortly before the orchestrator kills it.
-        faulthandler.dump_traceback_later(max(limit - 5, limit * 0.75, 0.1), exit=False)
+        # Where it hangs: the stacks of every thread go to --stack-file (or stderr) shortly before the
+        # orchestrator kills it.
+        stacks = open(args.stack_file, "w") if args.stack_file else sys.stderr  # noqa: SIM115 (open until exit)
+        faulthandler.dump_traceback_later(max(limit - 5, limit * 0.75, 0.1), exit=False, file=stacks)
     records = run_worker(args, progress, ready)
     faulthandler.cancel_dump_traceback_later()
     tmp = Path(args.record_file + ".tmp")
@@ -542,8 +545,10 @@ class Worker:
         argv = ["--method", job.method, "--workload", job.workload, "--batch", str(job.batch),
                 "--seqs", ",".join(map(str, job.seqs)), "--steps", str(job.steps), "--warmup", str(job.warmup),
                 "--loracc-budget", args.loracc_budget] + (["--dynamic"] if job.dynamic else [])
+        self.stacks = folder / "stacks.txt"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "step", "--record-file", str(self.record),
-               "--progress-file", str(self.progress), "--go-file", str(self.go_file), *argv]
+               "--progress-file", str(self.progress), "--go-file", str(self.go_file), "--stack-file", str(self.stacks),
+               *argv]
         cache.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             # In the cache folder: some methods write compiled files into the working directory.
@@ -565,8 +570,9 @@ class Worker:
         records = json.loads(self.record.read_text())["records"] if self.record.exists() else []
         stages = self.progress.read_text().splitlines() if self.progress.exists() else []
         output = self.log.read_text(errors="replace") if self.log.exists() else ""
+        stacks = self.stacks.read_text(errors="replace") if self.stacks.exists() else ""
         return dict(records=records, code=code, timed_out=timed_out, elapsed=time.monotonic() - start,
-                    stage=stages[-1].split(" ", 1)[1] if stages else "start", output=output)
+                    stage=stages[-1].split(" ", 1)[1] if stages else "start", output=output, stacks=stacks)
 
     def stop(self) -> None:
         """End the worker (ours, by its process id) and wait for it."""
@@ -777,12 +783,21 @@ def _rows(job: Job, outcome: dict, limit: float, cut: bool) -> list[dict]:
             row = _row(job, seq, status="skipped", error=f"not run: the worker ended at {missing}")
         if row["status"] not in ("ok", "skipped"):
             row["output_tail"] = tail
+            if outcome.get("stacks") and row["status"] == "timeout":
+                row["stack_dump"] = _main_stack(outcome["stacks"])
         if job.cache_note:
             row["first_step_cache"] = job.cache_note
         row["wall_s"] = outcome["elapsed"]
         row.setdefault("first_step_warm_s", None)
         rows.append(row)
     return rows
+
+
+def _main_stack(dump: str, lines: int = 40) -> str:
+    """From faulthandler's dump of every thread, the main thread's stack (the last one listed),
+    innermost frames first: where the worker was when its time ran out."""
+    blocks = [b for b in dump.split("\n\n") if "most recent call first" in b]
+    return "\n".join((blocks[-1] if blocks else dump).strip().splitlines()[:lines])
 
 
 def _output_tail(output: str, lines: int = 40, chars: int = 4000) -> str:
@@ -873,6 +888,7 @@ def main(argv=None) -> int:
     parser.add_argument("--record-file", help=argparse.SUPPRESS)
     parser.add_argument("--progress-file", help=argparse.SUPPRESS)
     parser.add_argument("--go-file", help=argparse.SUPPRESS)
+    parser.add_argument("--stack-file", help=argparse.SUPPRESS)
     parser.add_argument("--seqs", help=argparse.SUPPRESS)
     parser.add_argument("--dynamic", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -958,6 +974,13 @@ def summary(records: list[dict]) -> str:
     """The run's rows again, in one block (the end of the output is what a remote run shows), and
     for a sweep the longest sequence that fits in each memory limit."""
     lines = ["", "summary:"] + [_line(r) for r in records]
+    for r in records:  # where a failed worker stopped (all of it is in the JSON and the report)
+        if r.get("output_tail") and r["status"] != "ok":
+            lines += [f"end of the output of {r['method']} on {r['workload']} {r['batch']}x{r['seq']} ({r['status']}):"]
+            lines += ["  | " + line[:300] for line in r["output_tail"].splitlines()[-12:]]
+        if r.get("stack_dump"):
+            lines += ["  where it was when its time ran out (innermost first):"]
+            lines += ["  | " + line[:300] for line in r["stack_dump"].splitlines()[:16]]
     sweep = [r for r in records if r.get("suite") == "sweep"]
     if sweep:
         sys.path.insert(0, str(Path(__file__).parent))

@@ -112,7 +112,11 @@ def failure_outputs(rows: list[dict], lines: int = 15) -> list[str]:
         where = f"{r['method']}, seq {r['seq']}" if r.get("suite") == "sweep" else r["method"]
         shown = "\n".join(tail.splitlines()[-lines:]).replace("`" * 3, "` ` `")
         out += [f"<details><summary>{_cell(where)}: {r['status']}, end of its output</summary>", "",
-                "`" * 3 + "text", shown, "`" * 3, "</details>", ""]
+                "`" * 3 + "text", shown, "`" * 3]
+        if r.get("stack_dump"):  # a worker that ran out of time: where it was, innermost frame first
+            out += ["", "Its stack when its time ran out:", "", "`" * 3 + "text",
+                    r["stack_dump"].replace("`" * 3, "` ` `"), "`" * 3]
+        out += ["</details>", ""]
     return out
 
 

@@ -226,8 +226,10 @@ def test_timeout_names_the_stage_and_keeps_a_stack_dump(tmp_path, monkeypatch):
     [row] = _run([_job()], _args(timeout=8), tmp_path, ready_first=True)
     assert row["status"] == "timeout", row
     assert row["error"].startswith("timed out at first step after 8 s (its limit of 8 s)")
-    assert "bench stage:" in row["output_tail"] and "Timeout" in row["output_tail"]
-    assert "in train" in row["output_tail"]  # faulthandler's dump: where the worker was stuck
+    assert "bench stage:" in row["output_tail"]
+    # faulthandler's dump of the main thread, innermost frame first: where the worker was stuck.
+    frames = [line for line in row["stack_dump"].splitlines() if "File" in line]
+    assert "in __call__" in frames[0] and "in train" in frames[2] and "in <module>" in frames[-1], frames
 
 
 def test_sweep_keeps_the_lengths_it_measured_when_it_times_out(tmp_path, monkeypatch):
@@ -299,7 +301,7 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
         _record("loracc-budget", [12.0, 11.5, 11.0], tokens=1400, peak=3e9, first_step_cache="caches of loracc"),
         _record("peft-liger", status="oom", error="CUDA out of memory. Tried to allocate 2.00 GiB"),
         _record("unsloth", status="timeout", error="timed out at unsloth import after 180 s (its limit of 180 s)",
-                output_tail="bench stage: 0.1 unsloth import\nThread 0x1 (most recent call first):\n  File \"x.py\", line 3 in wait"),
+                output_tail="bench stage: 0.1 unsloth import", stack_dump="Thread 0x1 (most recent call first):\n  File \"x.py\", line 3 in wait"),
         _record("other", status="error", error="ImportError: no module named | unsloth_zoo"),
         _record("peft-eager", [12.0], seq=512, peak=3e9, suite="sweep"),
         _record("peft-eager", [12.0], seq=1024, peak=9e9, suite="sweep"),
@@ -314,7 +316,8 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
     assert "**oom**: CUDA out of memory" in readme
     assert "ImportError: no module named \\| unsloth_zoo" in readme  # escaped, the table stays intact
     assert "**timeout**: timed out at unsloth import after 180 s" in readme
-    assert "<summary>unsloth: timeout, end of its output</summary>" in readme and "line 3 in wait" in readme
+    assert "<summary>unsloth: timeout, end of its output</summary>" in readme and "bench stage: 0.1 unsloth import" in readme
+    assert "Its stack when its time ran out:" in readme and "line 3 in wait" in readme
     assert "| 1.0 / 0.5 |" in readme and "| 1.0 (caches of loracc) |" in readme  # cold / warm; shared caches
     assert "loracc is slower than the fastest peer in this run (peft-compile): 1,500 vs 2,000 tokens/s (0.75×)" in readme
     assert "| peft-eager | 3.00 (1,000) | 9.00 (1,000) |" in readme  # peak GB (tokens/s) per length
