@@ -263,10 +263,11 @@ def loracc_budget(method: str, budget_text: str):
     return parse_budget(budget_text) if method == "loracc-budget" else LORACC_BUDGETS[method]
 
 
-def run_worker(args, progress=None, ready: float | None = None) -> list[dict]:
+def run_worker(args, progress=None, ready: float | None = None, imported: float | None = None) -> list[dict]:
     """Build, compile, and train ``args.warmup + args.steps`` steps at each of ``args.seqs``; return
     one record per length (never raises). ``args.record_file``, where given, holds the records so
-    far after every length, so that a worker that runs out of time keeps what it measured."""
+    far after every length, so that a worker that runs out of time keeps what it measured.
+    ``imported``, ``ready``: when the early imports ended and when its turn came (perf_counter)."""
     import torch
 
     ready = START if ready is None else ready
@@ -292,7 +293,9 @@ def run_worker(args, progress=None, ready: float | None = None) -> list[dict]:
             budget = loracc_budget(args.method, args.loracc_budget)
             progress("loracc compile")
             loracc.compile(peft_model, memory_budget=budget)
-        base.update(import_s=ready - START, setup_s=time.perf_counter() - ready)
+        # import_s: the early imports (while the previous worker ran); setup_s: from its turn to the
+        # model built (and compiled, for loracc), CUDA initialisation included.
+        base.update(import_s=(imported or ready) - START, setup_s=time.perf_counter() - ready)
     except Exception as exc:  # noqa: BLE001 (any failure is a row of the table, with its reason)
         failure = _failure(exc, progress.stage)
         records += [{**base, "seq": s, "tokens_per_step": args.batch * s, **failure} for s in args.seqs]
@@ -458,7 +461,7 @@ def worker_main(args) -> int:
         import transformers
 
         transformers.LlamaForCausalLM, transformers.Qwen2ForCausalLM  # noqa: B018 (lazy modules: load them now)
-    limit = None
+    limit, imported = None, time.perf_counter()
     if args.go_file:
         progress("waiting")
         while not os.path.exists(args.go_file):
@@ -471,7 +474,7 @@ def worker_main(args) -> int:
         # orchestrator kills it.
         stacks = open(args.stack_file, "w") if args.stack_file else sys.stderr  # noqa: SIM115 (open until exit)
         faulthandler.dump_traceback_later(max(limit - 5, limit * 0.75, 0.1), exit=False, file=stacks)
-    records = run_worker(args, progress, ready)
+    records = run_worker(args, progress, ready, imported)
     faulthandler.cancel_dump_traceback_later()
     tmp = Path(args.record_file + ".tmp")
     tmp.write_text(json.dumps({"records": records}))
