@@ -121,10 +121,6 @@ def test_overflowing_step_is_skipped_as_in_eager(device):
     assert all(rel_err(e_params[n], initial[n]) > 1e-3 for n in initial), "the taken steps did not move the adapters"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lora_match does not fuse LoRA layers under autocast: the traced graph casts W, A, B and x with "
-    "aten._to_copy before each aten.linear, and _linear() in loracc/passes/lora_match.py only accepts a "
-    "placeholder weight (and the base and adapter inputs are two separate casts of x)"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_lora_layers_are_fused_under_autocast(dtype):
     model = peft_llama(True)

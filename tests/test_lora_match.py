@@ -123,3 +123,25 @@ def test_loracc_lora_linear_module_matches():
     (node,) = _matched(result.gm)
     assert node.args[5] == pytest.approx(layer.scaling)
     _check_same_function(before, result.gm, inputs, 1e-5)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_layers_traced_under_autocast_match(dropout):
+    """Under autocast every weight and x reach each linear through a cast to the compute dtype: the
+    fused op takes those casts (and x cast once), and the function is unchanged."""
+    pytest.importorskip("peft")
+    model, _ = presets.preset("llama", layers=1, dropout=dropout)
+    layer = model.base_model.model.model.layers[0]
+    hidden = torch.randn(2, 11, 64)
+    position = (torch.randn(2, 11, 16), torch.randn(2, 11, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm, inputs = capture(layer, hidden, position_embeddings=position)
+        gm = cleanup(gm).gm
+        before = snapshot(gm)
+        result = lora_match(gm)
+        assert result.report["matched"] == 7 and "unmatched" not in result.report
+        for node in _matched(result.gm):
+            x, weight, _, lora_a, lora_b = node.args[:5]
+            assert {v.meta["val"].dtype for v in (x, weight, lora_a, lora_b)} == {torch.bfloat16}
+        if not dropout:  # dropout draws fresh masks per run: the pass's own test covers the graph
+            _check_same_function(before, result.gm, inputs, 2e-2)

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import rel_err
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -87,7 +88,10 @@ def test_trainer_matches_eager(fp32_runs, tmp_path, bf16, tol):
         reference = load_file(output_dir / "eager" / f"checkpoint-{step}" / "adapter_model.safetensors")
         assert saved.keys() == reference.keys()
         for key, tensor in reference.items():
-            assert torch.allclose(saved[key].float(), tensor.float(), rtol=tol, atol=tol * 1e-2), key
+            if bf16:  # Adam turns bf16 rounding noise in tiny gradients into ±lr steps: compare norms
+                assert rel_err(saved[key].float(), tensor.float()) <= tol, key
+            else:
+                assert torch.allclose(saved[key].float(), tensor.float(), rtol=tol, atol=tol * 1e-2), key
     PeftModel.from_pretrained(base(), output_dir / "loracc" / "checkpoint-4")
 
 

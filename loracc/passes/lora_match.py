@@ -10,7 +10,10 @@ with ``W`` frozen, ``A``/``B`` LoRA weights, ``x'`` = ``x`` or anything computed
 it stays in the graph, so a dropout mask is drawn once and reused by the backward; a plain cast of
 ``x`` to the adapters' dtype is folded into the op, which does it itself), and an
 optional cast of ``y`` back to the base dtype, becomes ``lora_linear(x, W, b, A, B, s, x' or None)``
-when its intermediates have no other users. LoRA weights left unmatched (another adapter type, a
+when its intermediates have no other users. Under autocast the traced graph casts every weight
+(and ``x``, once per linear) to the compute dtype before its ``linear``: ``W``, ``A``, ``B`` are
+then those casts (the op runs in the compute dtype, and autograd takes each gradient back through
+its cast, as in eager), and two casts of the same value to the same dtype count as one ``x``. LoRA weights left unmatched (another adapter type, a
 pattern not recognised) are reported with the reason; their layers keep their ATen ops, whose
 gradients autograd derives, so they stay correct.
 """
@@ -36,7 +39,7 @@ def lora_match(gm: fx.GraphModule) -> PassResult:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
-    used = {a for n in gm.graph.nodes if n.target is LORA_LINEAR for a in n.args[3:5]}
+    used = {_uncast(a) for n in gm.graph.nodes if n.target is LORA_LINEAR for a in n.args[3:5]}
     unmatched = [
         info(p).get("name", p.name)
         for p in placeholders(gm)
@@ -57,14 +60,30 @@ def _only_user(node: fx.Node, user: fx.Node) -> bool:
 
 
 def _linear(node, weight_role: str):
-    """``(x, W, b)`` if ``node`` is ``aten.linear`` over a weight input with ``weight_role``."""
+    """``(x, W, b)`` if ``node`` is ``aten.linear`` over a weight input with ``weight_role`` (or a
+    cast of one to another dtype: autocast)."""
     if not _is(node, aten.linear.default):
         return None
     x, weight, *rest = node.args
     bias = rest[0] if rest else None
-    if weight.op != "placeholder" or role(weight) != weight_role:
+    root = _uncast(weight)
+    if root.op != "placeholder" or role(root) != weight_role:
         return None
     return x, weight, bias
+
+
+def _uncast(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a dtype-only cast of (following casts), or ``node`` itself."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS and _is_cast_of(node, node.args[0]):
+        node = node.args[0]
+    return node
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """``a`` and ``b`` are the same node, or casts of the same value to the same dtype."""
+    if a is b:
+        return True
+    return _uncast(a) is _uncast(b) and a.meta["val"].dtype == b.meta["val"].dtype
 
 
 def _scaled(node):
@@ -94,12 +113,14 @@ def _match_add(add: fx.Node):
             continue
         lora_in, lora_a, _ = a_parts
         x, weight, bias = base_parts
-        if _is_cast_of(lora_in, x) and _only_user(lora_in, u):
+        if _same_value(lora_in, x) and _only_user(lora_in, u):
+            lora_in = x  # under autocast: the branch's own cast of x, to the same dtype
+        elif _is_cast_of(lora_in, x) and _only_user(lora_in, u):
             lora_in = x  # the op casts x to the adapters' dtype itself (PEFT's fp32 adapters)
         chain = [(base, add), (u, lora_scaled)] + ([(lora_scaled, branch)] if branch is not lora_scaled else [])
         if not all(_only_user(n, user) for n, user in chain) or not _only_user(branch, add):
             continue
-        if lora_in is not x and not _derived_from(lora_in, x):
+        if lora_in is not x and not _derived_from(lora_in, x) and not _derived_from(lora_in, _uncast(x)):
             continue
         end = _cast_back(add, base)
         if end is None:
@@ -140,7 +161,8 @@ def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_
     with graph.inserting_before(end):
         fused = graph.call_function(LORA_LINEAR, (x, weight, bias, lora_a, lora_b, scale, lora_x))
     fused.meta["val"] = end.meta["val"]
-    layer = info(weight).get("name", weight.name)
+    root = _uncast(weight)
+    layer = info(root).get("name", root.name)
     for suffix in (".base_layer.weight", ".weight"):
         if layer.endswith(suffix):
             layer = layer[: -len(suffix)]
