@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import bench  # noqa: E402
+import bench_runner as runner  # noqa: E402
 import report  # noqa: E402
 
 
@@ -81,17 +82,17 @@ def test_8b_model_is_built_in_bf16_on_the_target_device_without_an_fp32_copy():
 def _plan(*argv):
     """The jobs bench.py would run for ``argv`` (parsed as main() parses them)."""
     parser_args = {}
-    original = bench.plan
+    original = runner.plan
 
     def capture(args):
         parser_args["args"] = args
         return original(args)
 
-    bench.plan = capture
+    runner.plan = capture
     try:
         assert bench.main([*argv, "--estimate"]) == 0
     finally:
-        bench.plan = original
+        runner.plan = original
     return parser_args["args"], original(parser_args["args"])
 
 
@@ -110,7 +111,7 @@ def test_quick_plan_fits_five_minutes(capsys):
     budget = [j for j in jobs if j.method == "loracc-budget"]
     assert all(j.cache == f"{j.workload}-loracc" and "not cold" in j.cache_note for j in budget)
     assert args.deadline == bench.QUICK_DEADLINE_S < 300
-    assert bench.estimate(jobs) < 285
+    assert runner.estimate(jobs) < 285
     assert "estimated" in out and "min) on an H100" in out
 
 
@@ -120,11 +121,11 @@ def test_sweep_plan_and_8b_plan(capsys):
     assert all(j.workload == "llama-3.2-1b" and j.batch == 1 and j.seqs == [512, 1024, 2048, 4096, 8192] for j in jobs)
     assert [j.method for j in jobs if j.dynamic] == ["peft-compile"]
     assert {j.method for j in jobs if j.cache == "sweep-loracc"} == {"loracc", "loracc-8gb"}
-    assert bench.estimate(jobs) < 330
+    assert runner.estimate(jobs) < 330
     _, jobs = _plan("--workload", "llama-3-8b", "--method", "peft-eager,loracc")
     assert [(j.method, j.batch, j.seqs, j.warm_of is not None) for j in jobs] == [
         ("peft-eager", 1, [2048], False), ("loracc", 1, [2048], False), ("loracc", 1, [2048], True)]
-    assert bench.estimate(jobs) < 180
+    assert runner.estimate(jobs) < 180
     with pytest.raises(SystemExit):
         bench.main(["--method", "peft-eager,nope", "--estimate"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
@@ -132,15 +133,15 @@ def test_sweep_plan_and_8b_plan(capsys):
 
 def test_workers_run_offline_and_unsloth_gets_its_own_path(monkeypatch, tmp_path):
     monkeypatch.setenv("UNSLOTH_SITE", "/somewhere/unsloth_site")
-    env = bench.worker_env("unsloth", tmp_path)
+    env = runner.worker_env("unsloth", tmp_path)
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["UNSLOTH_DISABLE_STATISTICS"] == "1"
     assert env["PYTHONUNBUFFERED"] == "1" and env["UNSLOTH_FORCE_SINGLE_COMPILE_WORKER"] == "0"
     assert "/somewhere/unsloth_site" in env["PYTHONPATH"].split(":")
     assert env["UNSLOTH_COMPILE_LOCATION"].startswith(str(tmp_path))
-    other = bench.worker_env("loracc", tmp_path)
+    other = runner.worker_env("loracc", tmp_path)
     assert "/somewhere/unsloth_site" not in other["PYTHONPATH"] and other["HF_HUB_OFFLINE"] == "1"
     assert "UNSLOTH_COMPILE_LOCATION" not in other
-    assert "UNSLOTH_COMPILE_DISABLE" not in env and bench.worker_env("unsloth-nocompile", tmp_path)["UNSLOTH_COMPILE_DISABLE"] == "1"
+    assert "UNSLOTH_COMPILE_DISABLE" not in env and runner.worker_env("unsloth-nocompile", tmp_path)["UNSLOTH_COMPILE_DISABLE"] == "1"
 
 
 def test_tiny_run_end_to_end(tmp_path):
@@ -201,7 +202,7 @@ def _args(**overrides):
 
 
 def _job(method="peft-eager", seqs=(32,), suite="main", **fields):
-    return bench.Job(method, "tiny", 2 if suite == "main" else 1, list(seqs), suite, fields.pop("steps", 1),
+    return runner.Job(method, "tiny", 2 if suite == "main" else 1, list(seqs), suite, fields.pop("steps", 1),
                      fields.pop("warmup", 1), cache=method, **fields)
 
 
@@ -211,13 +212,13 @@ def _run(jobs, args, tmp_path, deadline=float("inf"), ready_first=False):
     rows = {}
     started = {}
     if ready_first:
-        worker = bench.start_worker(jobs, 0, args, tmp_path)
+        worker = runner.start_worker(jobs, 0, args, tmp_path)
         for _ in range(600):
             if worker.progress.exists() and "waiting" in worker.progress.read_text():
                 break
             time.sleep(0.1)
         started = {0: worker}
-    bench.run_jobs(jobs, args, deadline, tmp_path, lambda i, r: rows.__setitem__(i, r), started=started)
+    runner.run_jobs(jobs, args, deadline, tmp_path, lambda i, r: rows.__setitem__(i, r), started=started)
     return [r for i in sorted(rows) for r in rows[i]]
 
 
