@@ -20,7 +20,6 @@ from bench import COMPILING, FULL_METHODS, FULL_WORKLOADS, NEEDS_CUDA, QUICK_PLA
 BENCH = str(Path(bench.__file__).resolve())  # the workers run bench.py --worker
 
 
-
 @dataclasses.dataclass
 class Job:
     """One worker process: ``method`` on ``workload`` at each of ``seqs``."""
