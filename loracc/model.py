@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -86,13 +87,19 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> n
 
 
 def uncompile(model: nn.Module) -> nn.Module:
-    """Undo ``compile``: every patched module gets its own ``forward`` back."""
+    """Undo ``compile``: every patched module gets its own ``forward`` back. A ``forward`` that
+    something else installed over loracc's since (a trainer's wrapper) stays."""
     state = getattr(model, "_loracc", None)
     if state is not None:
         for module in state.patched:
-            module.__dict__.pop("forward", None)
+            if _is_loracc_forward(module.__dict__.get("forward")):
+                module.__dict__.pop("forward")
         del model._loracc
     return model
+
+
+def _is_loracc_forward(forward) -> bool:
+    return isinstance(forward, (_BlockForward, _HeadForward, _NoCacheInTraining))
 
 
 def _check_budget(budget) -> None:
@@ -172,6 +179,15 @@ def _install(model: nn.Module, state: CompiledState) -> None:
             for (index, layer), path in zip(group, paths):
                 _patch(state, layer, _BlockForward(region, layer, path))
         _patch_use_cache(state, owner)
+    if head is not None and "forward" in head[0].__dict__:
+        # Another library replaced the causal LM's forward on the instance (TRL's SFTTrainer installs
+        # its fused LM head this way): keep it; the decoder layers it calls still run compiled.
+        warnings.warn(
+            f"loracc: {type(head[0]).__name__} already has its own forward ({getattr(head[0].forward, '__qualname__', head[0].forward)}), "
+            "installed by another library: loracc leaves it in place and compiles the decoder layers only",
+            stacklevel=3,
+        )
+        head = None
     if head is not None:
         lm, base = head
         region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
