@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .cross_entropy import LINEAR_CROSS_ENTROPY
 from .dump import format_bytes
 from .errors import LoraccError
 from .pipeline import predicted_peak_bytes
@@ -24,6 +25,8 @@ class RegionReport:
     unmatched_lora: dict
     saved_bytes: int | None
     fallbacks: list
+    fused_groups: int = 0  # groups of pointwise ops / row reductions made one kernel (forward + backward)
+    loss: str | None = None  # head regions: how the projection + loss run
 
 
 @dataclass
@@ -49,8 +52,11 @@ class Report:
             saved = f", saves {r.saved_bytes / 2**20:.1f} MiB" if r.saved_bytes is not None else ""
             lines.append(
                 f"  [{r.kind}] {r.name}: {r.modules} module(s), {r.captures} capture(s), {r.calls} compiled call(s), "
-                f"{r.lora_layers_matched} LoRA layer(s) fused{saved}, compiled in {r.compile_seconds:.2f} s"
+                f"{r.lora_layers_matched} LoRA layer(s) fused, {r.fused_groups} pointwise group(s) fused{saved}, "
+                f"compiled in {r.compile_seconds:.2f} s"
             )
+            if r.loss:
+                lines.append(f"      loss: {r.loss}")
             for reason in r.recompiles:
                 lines.append(f"      recompiled: {reason}")
             for name, reason in r.unmatched_lora.items():
@@ -99,6 +105,8 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             lora_layers_matched=len(layers), unmatched_lora=match.get("unmatched", {}),
             saved_bytes=program.reports["partition"]["saved bytes"] if program else None,
             fallbacks=list(region.fallbacks),
+            fused_groups=sum(r.get("groups", 0) for r in program.reports.get("fusion", {}).values()) if program else 0,
+            loss=_loss(program) if program and region.kind == "head" else None,
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
@@ -110,6 +118,13 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
         backend=state.backend.name, eager_parts=eager,
         predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes) if runs else None,
     )
+
+
+def _loss(program) -> str:
+    fused = any(n.target is LINEAR_CROSS_ENTROPY for n in program.stages["forward"].graph.nodes)
+    if fused:
+        return "fused chunked projection + cross-entropy (logits never whole)"
+    return "the model's lm_head + loss_function, eager ops (fp16 autocast, or a head the fused loss does not cover)"
 
 
 def _qualify(region, layers: list[str]) -> list[str]:

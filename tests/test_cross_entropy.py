@@ -91,6 +91,12 @@ def test_fp16_autocast_keeps_the_eager_head():
     head = next(r for r in model._loracc.regions if r.kind == "head")
     targets = {n.target for n in head.latest.stages["forward"].graph.nodes}
     assert cross_entropy.LINEAR_CROSS_ENTROPY not in targets
+    (report,) = [r for r in loracc.explain(model).regions if r.kind == "head"]
+    assert report.loss.startswith("the model's lm_head + loss_function")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch).loss.backward()
+    (report,) = [r for r in loracc.explain(model).regions if r.kind == "head"]
+    assert report.loss.startswith("fused chunked")
 
 
 def test_scaled_loss_gradient_does_not_overflow_the_hidden_dtype():
