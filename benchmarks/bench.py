@@ -2,8 +2,9 @@
 
 Every method trains the same model (same seed, so same random bf16 weights), on the same random
 batch, with the same LoRA config (r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down), the same
-optimizer (AdamW on the LoRA parameters) and the same step (forward with labels, backward, optimizer
-step). The losses of every step are recorded so that a fast but wrong method shows.
+optimizer (AdamW on the LoRA parameters, lr 1e-3: torch's fused AdamW for the peers on a GPU, as
+Hugging Face Trainer's default ``adamw_torch_fused``; loracc's own ``FusedAdamW`` for loracc) and the
+same step (forward with labels, backward, optimizer step). The losses of every step are recorded so that a fast but wrong method shows.
 
     python benchmarks/bench.py --quick          # under 5 min on an H100: the two ANCHORS workloads, main peers
     python benchmarks/bench.py --sweep          # peak memory against sequence length (Llama-3.2-1B, batch 1)
@@ -370,6 +371,17 @@ def _loracc_notes(peft_model, budget) -> str:
             f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}")
 
 
+def make_optimizer(method: str, params, device):
+    """AdamW over ``params``: loracc's FusedAdamW for loracc, torch's fused AdamW (foreach on a CPU) otherwise."""
+    import torch
+
+    if method.startswith("loracc"):
+        import loracc
+
+        return loracc.FusedAdamW(params, lr=LEARNING_RATE)
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=device == "cuda")
+
+
 def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     """Run ``warmup + steps`` steps. The first is timed on the wall clock (it compiles); the
     ``steps`` after the warm-up are timed with CUDA events (on a CPU, the wall clock)."""
@@ -380,7 +392,7 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = getattr(peft_model, "_bench_optimizer", None)
     if optimizer is None:  # one optimizer for every length of a sweep: its state is part of the peak
-        optimizer = peft_model._bench_optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
+        optimizer = peft_model._bench_optimizer = make_optimizer(args.method, params, device)
     cuda = device == "cuda"
 
     def step():
@@ -523,7 +535,7 @@ def environment(args) -> dict:
         # then name the commit in $BENCH_GIT_COMMIT.
         git_commit=os.environ.get("BENCH_GIT_COMMIT") or _git("rev-parse", "HEAD"),
         git_dirty=None if os.environ.get("BENCH_GIT_COMMIT") else _dirty(),
-        settings=dict(warmup=args.warmup, steps=args.steps, seed=SEED, lr=LEARNING_RATE, optimizer="AdamW",
+        settings=dict(warmup=args.warmup, steps=args.steps, seed=SEED, lr=LEARNING_RATE, optimizer="AdamW (peers: torch fused on a GPU; loracc: loracc.FusedAdamW)",
                       lora=dict(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS),
                       loracc_budget=args.loracc_budget,
                       **({"sweep_steps": args.sweep_steps, "sweep_warmup": args.sweep_warmup}
