@@ -103,8 +103,9 @@ METHODS = {
     "loracc": "loracc.compile, default plan",
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
     "loracc-8gb": "loracc.compile with memory_budget='8GB' (a limit on the whole step's peak)",
+    "loracc-graphs": "loracc.compile with cuda_graphs=True (each compiled graph replayed as a CUDA graph)",
 }
-LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB"}  # loracc-budget: --loracc-budget
+LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None}  # loracc-budget: --loracc-budget
 NEEDS_CUDA = {"peft-liger", "unsloth", "unsloth-nocompile"}
 FULL_WORKLOADS = ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b"]
 FULL_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth", "peft-compile",
@@ -117,7 +118,7 @@ QUICK_PLAN = [("llama-3.2-1b", ["peft-eager", "peft-liger", "loracc", "loracc-bu
 QUICK_DEADLINE_S = 285
 TINY_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
 # Methods whose first step compiles; for them a second process can measure the first step warm.
-COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "loracc-8gb",
+COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "loracc-8gb", "loracc-graphs",
              "peft-liger", "unsloth", "unsloth-nocompile"}
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_WORKLOAD, SWEEP_SEQS = "llama-3.2-1b", [512, 1024, 2048, 4096, 8192]
@@ -295,7 +296,7 @@ def run_worker(args, progress=None, ready: float | None = None, imported: float 
             import loracc
             budget = loracc_budget(args.method, args.loracc_budget)
             progress("loracc compile")
-            loracc.compile(peft_model, memory_budget=budget)
+            loracc.compile(peft_model, memory_budget=budget, cuda_graphs=args.method == "loracc-graphs")
         # import_s: the early imports (while the previous worker ran); setup_s: from its turn to the
         # model built (and compiled, for loracc), CUDA initialisation included.
         base.update(import_s=(imported or ready) - START, setup_s=time.perf_counter() - ready)

@@ -9,7 +9,8 @@ the bytes the kernel must read and write (each input and output once) / its time
 device-to-device copy bandwidth measured in the same run (``y.copy_(x)``, 1 GiB, read + write).
 
 Part 2 (steps): each variant in its own process: eager PEFT, loracc without the fusion pass (its
-groups left as ATen ops), loracc; median step time over ``--steps`` steps after warm-up, peak memory.
+groups left as ATen ops), loracc, loracc with ``cuda_graphs=True`` (``--variant`` picks); median
+step time over ``--steps`` steps after warm-up, peak memory.
 """
 from __future__ import annotations
 
@@ -104,10 +105,11 @@ def step(workload: str, variant: str, steps: int) -> dict:
 
     if variant == "loracc-nofusion":
         pipeline.fusion = lambda gm: PassResult(gm, {})
+
     method = "peft-eager" if variant == "peft-eager" else "loracc"
     model, peft_model, _ = bench.build_model(workload, method, "cuda")
     if variant.startswith("loracc"):
-        loracc.compile(peft_model, backend="triton")
+        loracc.compile(peft_model, backend="triton", cuda_graphs=variant == "loracc-graphs")
     spec = bench.WORKLOADS[workload]
     ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]),
                         generator=torch.Generator().manual_seed(1)).cuda()
@@ -140,6 +142,7 @@ def main() -> None:
     parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS))
     parser.add_argument("--part", choices=["kernels", "steps", "all"], default="all")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--variant", action="append", choices=["peft-eager", "loracc-nofusion", "loracc", "loracc-graphs"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -162,7 +165,7 @@ def main() -> None:
             record["kernels"] += kernels(workload)
     if args.part in ("steps", "all"):
         for workload in workloads:
-            for variant in ("peft-eager", "loracc-nofusion", "loracc"):
+            for variant in args.variant or ("peft-eager", "loracc-nofusion", "loracc"):
                 proc = subprocess.run([sys.executable, __file__, "--one", workload, variant, "--steps", str(args.steps)],
                                       capture_output=True, text=True)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -46,7 +46,7 @@ class CompiledState:
     patched: list[nn.Module] = field(default_factory=list)
 
 
-def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> nn.Module:
+def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool = False) -> nn.Module:
     """Compile ``model``'s LoRA training step in place and return it.
 
     The returned object is ``model`` itself: its parameters, ``state_dict``, PEFT's
@@ -60,11 +60,19 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> n
     on the whole step's predicted peak, weights, gradients and AdamW state included; if nothing fits,
     the first training call raises ``LoraccError`` naming the smallest peak possible.
     ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
+    ``cuda_graphs``: replay each compiled graph as a CUDA graph from its second call on (Triton
+    backend on CUDA). It pays where the step is bound by Python and kernel launches (small hidden
+    sizes: Qwen2-0.5B 1.75× faster on an H100) and costs memory the predicted peak does not count
+    (static inputs and outputs, one workspace per graph: +1.4 GB there) plus copies that slow a
+    GPU-bound step (Llama-3.2-1B: −4%, +2.9 GB).
     """
     if not isinstance(model, nn.Module):
         raise LoraccError(f"loracc.compile expects a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_loracc", None) is not None:
         return model
+    if cuda_graphs and (backend == "eager" or _device_type(model) != "cuda"):
+        raise LoraccError("cuda_graphs=True needs the Triton backend on a CUDA device (the model is on "
+                          f"{_device_type(model)}, backend {backend!r}); leave cuda_graphs=False there")
     if not isinstance(backend, str):
         raise LoraccError(f"backend must be a string such as 'auto' or 'eager', got {type(backend).__name__}")
     _check_budget(memory_budget)
@@ -77,13 +85,18 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto") -> n
         )
     trainable, frozen = count_parameters(model)
     state = CompiledState(
-        regions=[], backend=get_backend(backend, device), lora_layers=lora_layers,
+        regions=[], backend=get_backend(backend, device, cuda_graphs=cuda_graphs), lora_layers=lora_layers,
         trainable_params=trainable, frozen_params=frozen, memory_budget=memory_budget,
         persistent_bytes=persistent_bytes(model),
     )
     _install(model, state)
     model._loracc = state
     return model
+
+
+def _device_type(model: nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return first.device.type if first is not None else "cpu"
 
 
 def uncompile(model: nn.Module) -> nn.Module:

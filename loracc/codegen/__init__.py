@@ -35,9 +35,11 @@ class EagerBackend:
 BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}
 
 
-def get_backend(name: str, device: torch.device):
+def get_backend(name: str, device: torch.device, cuda_graphs: bool = False):
     if name == "auto":
         name = "triton" if device.type == "cuda" and available(device) is None else "eager"
     if name not in BACKENDS:
         raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
+    if name == "triton":
+        return TritonBackend(device, cuda_graphs=cuda_graphs)
     return BACKENDS[name](device)

@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..errors import LoraccError
 from ..graph import copy_graph, info
 from ..cross_entropy import LINEAR_CROSS_ENTROPY
+from ..cuda_graphs import Replayer
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..passes.fusion import FusedRows
 from . import cross_entropy, fused_rows, lora_linear
@@ -41,11 +42,14 @@ def available(device: torch.device) -> str | None:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda_graphs: bool = False):
         reason = available(device)
         if reason is not None:
             raise LoraccError(f"backend 'triton': {reason}; use backend='eager' on this device")
         self.report: list[dict] = []
+        # With cuda_graphs, each compiled graph replays as a CUDA graph from its second call on
+        # (loracc/cuda_graphs.py); otherwise it runs from Python every call.
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
 
     def compile(self, gm: fx.GraphModule, stage: str):
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
@@ -83,4 +87,4 @@ class TritonBackend:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
         gm.recompile()
-        return gm
+        return Replayer(gm, f"{stage} graph") if self.cuda_graphs else gm
