@@ -90,12 +90,24 @@ def compile_call(
     )
 
 
-def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:
+def cuda_graph_bytes(program: Program) -> int:
+    """What replaying ``program`` as CUDA graphs keeps allocated for good: per graph (forward,
+    backward), the static copies of its inputs and its memory pool (the graph's peak above its
+    inputs, outputs included). An estimate from the plan, checked against one measurement only."""
+    total = 0
+    for stage in ("forward", "backward"):
+        total += sum(value_bytes(p.meta.get("val")) for p in placeholders(program.stages[stage]))
+        total += program.reports["memory_plan"][stage]["peak_bytes"]
+    return total
+
+
+def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int, cuda_graphs: bool = False) -> int:
     """The predicted peak memory of one training step, before it runs.
 
     ``runs``: each compiled region's program with how many times a step runs it (a block region: its
     number of layers); ``persistent_bytes``: what lives across steps (weights, buffers, LoRA
-    gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``.
+    gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``. With ``cuda_graphs``,
+    every program's graphs add ``cuda_graph_bytes``.
     """
     regions = []
     for program, repeats in runs:
@@ -108,5 +120,6 @@ def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int)
             backward_peak_bytes=memory["backward"]["peak_bytes"],
             tangent_bytes=memory["tangent_bytes"],
         ))
-    return step_peak_bytes(regions, persistent_bytes)
+    graphs = sum(cuda_graph_bytes(program) for program, _ in runs) if cuda_graphs else 0
+    return step_peak_bytes(regions, persistent_bytes) + graphs
 

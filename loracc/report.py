@@ -80,8 +80,9 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     ``predicted_peak_bytes`` is the peak memory of a training step as planned before it runs:
     weights, gradients and AdamW state, every region's saved values times its repeats, and the
     largest region's forward or backward workspace, including the fused loss's chunk temporaries
-    (the eager glue and temporaries inside ATen ops are not counted); None until a training call
-    compiled the regions.
+    (the eager glue and temporaries inside ATen ops are not counted); with ``cuda_graphs=True``, also
+    each graph's static inputs and memory pool (an estimate); None until a training call compiled
+    the regions.
     """
     state = getattr(model, "_loracc", None)
     if state is None:
@@ -116,7 +117,8 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
         regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
         trainable_params=state.trainable_params, frozen_params=state.frozen_params,
         backend=state.backend.name, eager_parts=eager,
-        predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes) if runs else None,
+        predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes, getattr(state.backend, "cuda_graphs", False))
+        if runs else None,
     )
 
 

@@ -59,3 +59,16 @@ def test_cuda_graphs_need_the_triton_backend_on_a_gpu():
     model, _ = presets.preset("llama")
     with pytest.raises(LoraccError, match="cuda_graphs=True needs the Triton backend on a CUDA device"):
         loracc.compile(model, backend="eager", cuda_graphs=True)
+
+
+def test_predicted_peak_counts_the_graphs_memory():
+    from loracc.pipeline import cuda_graph_bytes, predicted_peak_bytes
+
+    model, batch = presets.preset("llama")
+    model = loracc.compile(model, backend="eager")
+    model(**batch).loss.backward()
+    runs = [(r.latest, r.repeats) for r in model._loracc.regions]
+    plain = predicted_peak_bytes(runs, model._loracc.persistent_bytes)
+    graphed = predicted_peak_bytes(runs, model._loracc.persistent_bytes, cuda_graphs=True)
+    per_program = [cuda_graph_bytes(p) for p, _ in runs]
+    assert all(b > 0 for b in per_program) and graphed == plain + sum(per_program)
