@@ -55,6 +55,8 @@ def node_line(node: fx.Node) -> str:
     notes = [meta.get("role"), meta.get("phase"), meta.get("module") or meta.get("name")]
     size = node_bytes(node)
     notes += [format_bytes(size) if size else None] + marks(node)
+    if meta.get("fused"):  # a fusion group: the ops it replaced, in order
+        notes.append("fuses " + " ".join(getattr(node.target, "ops", [])))
     comment = ", ".join(str(n) for n in notes if n)
     if node.op == "placeholder":
         text = f"input {node.name}: {value}"

@@ -125,3 +125,7 @@ def test_compiled_block_graphs_carry_fused_nodes_with_their_members():
     assert report["forward"]["groups"] >= 4 and report["backward"]["groups"] >= 4
     fused = [n for n in program.stages["backward"].graph.nodes if isinstance(n.target, FusedRows)]
     assert all(n.meta["loracc"]["fused"] for n in fused)
+    from loracc.dump import graph_text
+
+    text = graph_text(program.stages["backward"], "backward")
+    assert "= fused_rows_" in text and "fuses " in text and "rsqrt" in text
