@@ -44,6 +44,8 @@ class CompiledState:
     memory_budget: object
     persistent_bytes: int = 0
     patched: list[nn.Module] = field(default_factory=list)
+    # A forward set on a module's instance before compile (a hook's wrapper), put back by uncompile.
+    previous_forwards: dict = field(default_factory=dict)
 
 
 def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool = False) -> nn.Module:
@@ -107,6 +109,8 @@ def uncompile(model: nn.Module) -> nn.Module:
         for module in state.patched:
             if _is_loracc_forward(module.__dict__.get("forward")):
                 module.__dict__.pop("forward")
+                if id(module) in state.previous_forwards:
+                    module.forward = state.previous_forwards[id(module)]
         del model._loracc
     return model
 
@@ -239,6 +243,15 @@ def _reserved_bytes(state: CompiledState, head_vocab: int | None = None):
 
 
 def _patch(state: CompiledState, module: nn.Module, forward) -> None:
+    previous = module.__dict__.get("forward")
+    if previous is not None and not _is_loracc_forward(previous):
+        state.previous_forwards[id(module)] = previous
+        warnings.warn(
+            f"loracc: {type(module).__name__} had a forward set on the instance "
+            f"({getattr(previous, '__qualname__', previous)}); compiled training calls bypass it, and "
+            "loracc.uncompile puts it back",
+            stacklevel=4,
+        )
     module.forward = forward
     state.patched.append(module)
 

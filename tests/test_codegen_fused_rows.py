@@ -186,3 +186,58 @@ def test_wrong_input_shape_is_a_clear_error():
     args = [torch.randn(3, 3, device=DEVICE) for _ in kernel.input_vals]
     with pytest.raises(ValueError, match="input 0 has shape"):
         kernel(*args)
+
+
+def _run_fused(fn, *inputs):
+    gm = make_fx(fn)(*inputs)
+    fusion(gm)
+    groups = [n for n in gm.graph.nodes if isinstance(n.target, FusedRows)]
+    assert groups, "nothing was fused"
+    for node in groups:
+        node.target = RowKernel(node.target)
+    gm.recompile()
+    return gm(*inputs), fn(*inputs)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: ((x * 1.0).pow(5) + 1.0,),          # odd integer power of negative values
+    lambda x: ((x * 2.0).pow(6) + 1.0,),
+    lambda x: ((x * 2.0).pow(-3) + 1.0,),
+    lambda x: ((x * 2.0).pow(0) * x,),
+    lambda x: ((x * 2.0)[..., -100:] + 1.0,),     # slice bounds past the width are clamped
+    lambda x: ((x * 2.0)[..., 3:-2] * 3.0,),
+    lambda x: (torch.rsub(x * 2.0, 3.0, alpha=2.0) * 1.5,),
+    lambda x: (torch.tanh(x * 1e-6) * 1e6 + x,),  # tanh near 0 keeps its relative accuracy
+], ids=["pow5", "pow6", "pow-3", "pow0", "slice-neg", "slice-mid", "rsub-alpha", "tanh-small"])
+def test_scalar_arguments_and_bounds_follow_aten(fn):
+    x = torch.randn(4, 40, device=DEVICE)
+    got, want = _run_fused(fn, x)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-5
+
+
+def test_slice_backward_with_clamped_bounds():
+    def fn(x, g):
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            (dx,) = torch.autograd.grad((x.exp() * 2.0)[..., -100:] * 3.0, x, g)
+        return (dx,)
+
+    x, g = torch.randn(4, 40, device=DEVICE), torch.randn(4, 40, device=DEVICE)
+    got, want = _run_fused(fn, x, g)
+    assert rel_err(got[0], want[0]) <= 1e-5
+
+
+def test_nan_propagates_through_relu_and_maximum():
+    x = torch.randn(4, 40, device=DEVICE)
+    x[1, 3] = float("nan")
+    got, want = _run_fused(lambda x: (torch.relu(x * 2.0) + torch.maximum(x, x * 0.5) * 1.0,), x)
+    assert torch.equal(got[0].isnan(), want[0].isnan()) and got[0].isnan().any()
+
+
+def test_bool_masks_are_read_only_as_conditions():
+    x = torch.randn(4, 40, device=DEVICE)
+    mask = torch.rand(4, 40, device=DEVICE) > 0.5
+    got, want = _run_fused(lambda x, m: (torch.where(m, x * 2.0, -x) + 1.0, -(m.float()) * x * 3.0), x, mask)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-6

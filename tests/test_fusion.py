@@ -129,3 +129,17 @@ def test_compiled_block_graphs_carry_fused_nodes_with_their_members():
 
     text = graph_text(program.stages["backward"], "backward")
     assert "= fused_rows_" in text and "fuses " in text and "rsqrt" in text
+
+
+def test_two_groups_reading_each_other_leave_one_unfused():
+    # a1 = exp(x) and b2 = exp(y) have other rows; s = sum(b2) over another dim feeds a1's group and
+    # a1 feeds b2's group: fusing both would make each call wait for the other.
+    def fn(x, y):
+        a1 = x.exp()
+        b2 = y.exp()
+        s = b2.sum(0)
+        return a1 * s, a1 * b2
+
+    gm, _ = _check_same(fn, [torch.randn(3, 40), torch.randn(2, 3, 40)])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    assert all(order[a] < order[n] for n in gm.graph.nodes for a in n.all_input_nodes)

@@ -188,3 +188,28 @@ def test_progress_is_logged_quietly_by_default(caplog, capsys):
     _, quiet, batch = _compiled()
     quiet(**batch).loss.backward()
     assert "loracc" not in capsys.readouterr().err
+
+
+def test_uncompile_restores_a_forward_set_on_the_instance_before_compile():
+    import warnings as _warnings
+
+    from loracc import presets as _presets
+
+    model, batch = _presets.preset("llama")
+    layer = model.base_model.model.model.layers[0]
+    calls = []
+    original = layer.forward
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    layer.forward = hooked
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        loracc.compile(model)
+    assert any("had a forward set on the instance" in str(w.message) for w in caught)
+    loracc.uncompile(model)
+    assert layer.forward is hooked
+    model(**batch)
+    assert calls

@@ -42,7 +42,7 @@ def linear_cross_entropy(hidden, weight, labels, count, ignore_index: int, chunk
     vocab = weight.shape[0]
     kernel = _kernel(vocab, weight.dtype, int(ignore_index), hidden.device)
     block = block_v(vocab, hidden.device)
-    scale = (1.0 / count.to(torch.float32)).reshape(())
+    scale = (1.0 / count.to(device=hidden.device, dtype=torch.float32)).reshape(())
     row_loss = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden)
     labels = labels.contiguous()

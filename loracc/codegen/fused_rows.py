@@ -32,6 +32,8 @@ ELEMENTS_PER_PROGRAM = 4096
 
 
 def _lit(x) -> str:
+    if isinstance(x, str):
+        return x  # already an expression or a literal
     if isinstance(x, bool):
         return "1.0" if x else "0.0"
     if isinstance(x, (int, float)):
@@ -42,11 +44,16 @@ def _lit(x) -> str:
 
 def _pow(a: str, e) -> str:
     e = float(e)
-    if e.is_integer() and -4 <= e <= 4:
-        e = int(e)
-        if e == 0:
-            return "1.0"
-        product = " * ".join([a] * abs(e))
+    if e.is_integer():
+        n = int(abs(e))
+        if n == 0:
+            return f"({a} * 0.0 + 1.0)"
+        if n <= 8:
+            product = " * ".join([a] * n)
+        else:  # |a|^n through exp/log, the sign restored for odd n (eager: exact integer power)
+            product = f"tl.exp({float(n)} * tl.log(tl.abs({a})))"
+            if n % 2:
+                product = f"tl.where({a} < 0.0, -{product}, {product})"
         return product if e > 0 else f"1.0 / ({product})"
     if e == 0.5:
         return f"tl.sqrt_rn({a})"
@@ -77,13 +84,13 @@ POINTWISE = {
     aten.log.default: lambda a: f"tl.log({a})",
     aten.abs.default: lambda a: f"tl.abs({a})",
     aten.sigmoid.default: lambda a: f"tl.sigmoid({a})",
-    aten.tanh.default: lambda a: f"2.0 * tl.sigmoid(2.0 * {a}) - 1.0",
+    aten.tanh.default: lambda a: f"tl.where(tl.abs({a}) < 1e-3, {a} - {a} * {a} * {a} / 3.0, 2.0 * tl.sigmoid(2.0 * {a}) - 1.0)",
     aten.silu.default: lambda a: f"{a} * tl.sigmoid({a})",
-    aten.relu.default: lambda a: f"tl.where({a} > 0.0, {a}, 0.0)",
+    aten.relu.default: lambda a: f"tl.where(({a} > 0.0) | ({a} != {a}), {a}, 0.0)",
     aten.gelu.default: lambda a, approximate="none": _gelu(a, approximate),
     aten.pow.Tensor_Scalar: lambda a, e: _pow(a, e),
-    aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b})",
-    aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b})",
+    aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+    aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
     aten.where.self: lambda c, a, b: f"tl.where({c}, {a}, {b})",
     aten.sigmoid_backward.default: lambda g, y: f"{g} * {y} * (1.0 - {y})",
     aten.tanh_backward.default: lambda g, y: f"{g} * (1.0 - {y} * {y})",
@@ -93,6 +100,12 @@ for _op, _base in ((aten.add.Scalar, aten.add.Tensor), (aten.sub.Scalar, aten.su
                    (aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor)):
     POINTWISE[_op] = POINTWISE[_base]
 IDENTITY = (aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default, aten.expand.default)
+
+
+def _clamp(index: int, width: int) -> int:
+    """A slice bound as Python and ATen read it: negative from the end, clamped to [0, width]."""
+    index = index + width if index < 0 else index
+    return max(0, min(index, width))
 
 
 def _width(val) -> int:
@@ -225,14 +238,11 @@ class _Emitter:
             return total if target == aten.sum.dim_IntList else f"{total} / {float(width)}"
         if target == aten.slice.Tensor:
             start = args[2] if len(args) > 2 and args[2] is not None else 0
-            width = _width(args[0].meta["val"])
-            start = start + width if start < 0 else start
-            return self.value(args[0], shift + start)
+            return self.value(args[0], shift + _clamp(start, _width(args[0].meta["val"])))
         if target == aten.slice_backward.default:
             grad, _, _, start, end, _ = args
             width = _width(node.meta["val"])
-            start = start + width if start < 0 else min(start, width)
-            end = end + width if end < 0 else min(end, width)
+            start, end = _clamp(start, width), _clamp(end, width)
             col = self.column(shift)
             inside = self.value(grad, shift - start)
             return f"tl.where(({col} >= {start}) & ({col} < {end}), {inside}, 0.0)"

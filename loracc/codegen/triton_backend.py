@@ -55,10 +55,14 @@ class TritonBackend:
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
         for node in gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
-                kernel = fused_rows.kernel_for(node.target)
-                node.target = kernel
-                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
-                                    "runs": f"generated kernel {kernel.name}"})
+                try:
+                    kernel = fused_rows.kernel_for(node.target)
+                except NotImplementedError as exc:  # an op the template cannot express: its ATen ops run
+                    runs = f"reference ops: {exc}"
+                else:
+                    node.target = kernel
+                    runs = f"generated kernel {kernel.name}"
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"), "runs": runs})
                 continue
             if node.op == "call_function" and node.target is LINEAR_CROSS_ENTROPY:
                 hidden, weight, labels = (a.meta.get("val") for a in node.args[:3])

@@ -117,10 +117,13 @@ def frame(node: fx.Node) -> tuple | None:
     allowed = POINTWISE.get(target, REDUCTIONS.get(target, MOVES.get(target)))
     if allowed is None or set(node.kwargs) - allowed:
         return None
-    for arg in _tensor_args(node):
+    for i, arg in enumerate(_tensor_args(node)):
         arg_val = _val(arg)
-        if arg_val is None or arg_val.device != val.device or (arg_val.dtype not in FLOATS and arg_val.dtype != torch.bool):
+        if arg_val is None or arg_val.device != val.device:
             return None
+        condition = target == aten.where.self and i == 0
+        if arg_val.dtype not in FLOATS and not (condition and arg_val.dtype == torch.bool):
+            return None  # a bool mask is read only as where's condition
         if arg_val.ndim > val.ndim:
             return None
     if target == aten._to_copy.default:
@@ -215,13 +218,30 @@ def fusion(gm: fx.GraphModule) -> PassResult:
         widths = [_val(m).shape[-1] for m in members] + [
             _val(a).shape[-1] for m in members for a in _tensor_args(m) if _val(a).ndim
         ]
-        if max(widths) > MAX_WIDTH:
+        if max(widths) > MAX_WIDTH or _reads_itself(members):
             continue
         fused.append(_replace(gm, members, out, len(fused)))
     graph.lint()
     gm.recompile()
     return PassResult(gm, {"groups": len(fused), "fused_ops": sum(len(f.ops) for f in fused),
                            "kernels": [repr(f) for f in fused]})
+
+
+def _reads_itself(members: list[fx.Node]) -> bool:
+    """Whether an input of the group depends on one of its members in the graph as it is now (after
+    the groups replaced before it: two groups that each read the other's values cannot both fuse)."""
+    inside = set(members)
+    inputs = {a for m in members for a in _tensor_args(m) if a not in inside}
+    reached, stack = set(), [u for m in members for u in m.users if u not in inside]
+    while stack:
+        n = stack.pop()
+        if n in reached:
+            continue
+        if n in inputs:
+            return True
+        reached.add(n)
+        stack.extend(u for u in n.users if u not in inside)
+    return False
 
 
 def _replace(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, index: int) -> FusedRows:
