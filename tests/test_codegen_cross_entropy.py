@@ -63,3 +63,15 @@ def test_unsupported_cases_say_why():
     assert "one float dtype" in cross_entropy.unsupported(h, w, torch.zeros(3, dtype=torch.int64))
     assert "int32" in cross_entropy.unsupported(h, h.new_empty(5, 4), torch.zeros(3, dtype=torch.int32))
     assert cross_entropy.unsupported(h, torch.randn(5, 4), torch.zeros(3, dtype=torch.int64)) is None
+
+
+def test_a_label_outside_the_vocabulary_gives_a_nan_loss_not_a_stray_read():
+    n, h, v = 9, 8, 37
+    hidden, weight = torch.randn(n, h, device=DEVICE), torch.randn(v, h, device=DEVICE)
+    labels = torch.randint(0, v, (n,), device=DEVICE)
+    labels[4] = v + 5
+    loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, labels, (labels != -100).sum(), -100, 4)
+    assert loss.isnan()
+    labels[4] = 3
+    loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, labels, (labels != -100).sum(), -100, 4)
+    assert loss.isfinite()
