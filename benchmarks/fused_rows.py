@@ -4,9 +4,11 @@
 
 Part 1 (kernels): compiles the workload with loracc, takes every group the ``fusion`` pass made
 in the block and head regions (forward and backward), and times its generated kernel and the same
-ops run eagerly (ATen, one kernel per op) on random inputs laid out as in the step; bandwidth =
-the bytes the kernel must read and write (each input and output once) / its time, against the
-device-to-device copy bandwidth measured in the same run (``y.copy_(x)``, 1 GiB, read + write).
+ops run eagerly (ATen, one kernel per op) on random inputs laid out as in the step, twice: called
+from Python (launch cost included, as in a step without CUDA graphs) and replayed from a CUDA
+graph (GPU time only); bandwidth = the bytes the kernel must read and write (each input and
+output once) / its time, against the device-to-device copy bandwidth measured in the same run
+(``y.copy_(x)``, 1 GiB, read + write).
 
 Part 2 (steps): each variant in its own process: eager PEFT, loracc without the fusion pass (its
 groups left as ATen ops), loracc, loracc with ``cuda_graphs=True`` (``--variant`` picks); median
@@ -41,6 +43,18 @@ def _median_ms(fn, repeats: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def _graph_ms(fn, repeats: int = 10) -> float:
+    """GPU time of one ``fn`` call without its Python launch cost: ``repeats`` calls captured in a
+    CUDA graph, replayed, timed with CUDA events, divided."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return _median_ms(graph.replay) / repeats
 
 
 def copy_bandwidth() -> float:
@@ -86,14 +100,18 @@ def kernels(workload: str) -> list[dict]:
                 moved = sum(_bytes(v) for v in group.input_vals) + sum(_bytes(v) for v in kernel.output_vals)
                 fused_ms = _median_ms(lambda: kernel(*inputs))
                 eager_ms = _median_ms(lambda: group(*inputs))
+                fused_gpu_ms = _graph_ms(lambda: kernel(*inputs))
+                eager_gpu_ms = _graph_ms(lambda: group(*inputs))
                 rows.append(dict(
                     workload=workload, region=region.name, stage=stage, node=node.name, kernel=kernel.name,
                     ops=len(group.ops), rows=list(group.rows), width=kernel.width, bytes=moved,
                     fused_ms=fused_ms, eager_ms=eager_ms, gbps=moved / fused_ms / 1e6, speedup=eager_ms / fused_ms,
+                    fused_gpu_ms=fused_gpu_ms, eager_gpu_ms=eager_gpu_ms, gpu_gbps=moved / fused_gpu_ms / 1e6,
                 ))
                 print(f"{workload:14s} {stage:8s} {kernel.name:48s} {len(group.ops):3d} ops "
                       f"{moved / 2**20:8.1f} MiB {fused_ms:7.3f} ms ({moved / fused_ms / 1e6:6.0f} GB/s) "
-                      f"eager {eager_ms:7.3f} ms ({eager_ms / fused_ms:4.1f}x)", flush=True)
+                      f"eager {eager_ms:7.3f} ms ({eager_ms / fused_ms:4.1f}x) | GPU only {fused_gpu_ms:7.3f} ms "
+                      f"({moved / fused_gpu_ms / 1e6:6.0f} GB/s), eager {eager_gpu_ms:7.3f} ms", flush=True)
     return rows
 
 
