@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import output_node
-from ..passes.fusion import FusedRows
+from ..passes.fusion import PASS_THROUGH, FusedRows
 from . import cache
 from .render import render
 
@@ -197,7 +197,7 @@ class _Emitter:
         else:
             expression = self.expression(node, shift)
             dtype = node.meta["val"].dtype
-            if dtype in ROUNDED and node.target not in (aten.detach.default, aten.alias.default, aten.expand.default, aten.clone.default):
+            if dtype in ROUNDED and node.target not in PASS_THROUGH:
                 expression = f"({expression}).to({TL_DTYPES[dtype]}).to(tl.float32)"
         name = f"v_{node.name}" + ("" if not shift else f"_{'p' if shift > 0 else 'm'}{abs(shift)}")
         self.lines.append(f"{name} = {expression}")
@@ -271,10 +271,17 @@ class _Emitter:
             self.lines.append(f"tl.store({pointer} + {row} + cols * {col_stride}, {self.value(node, 0)}.to({store_dtype}), mask={mask})")
 
 
+def _describe_arg(a) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_describe_arg(x) for x in a) + "]"
+    return repr(a)
+
+
 def _describe(node: fx.Node) -> str:
-    args = ", ".join(a.name if isinstance(a, fx.Node) else
-                     "[" + ", ".join(x.name if isinstance(x, fx.Node) else repr(x) for x in a) + "]" if isinstance(a, (list, tuple)) else repr(a)
-                     for a in node.args)
+    """One line of the kernel's header: the op as the graph has it."""
+    args = ", ".join(_describe_arg(a) for a in node.args)
     kwargs = "".join(f", {k}={v}" for k, v in node.kwargs.items())
     val = node.meta["val"]
     dtype = str(val.dtype).replace("torch.", "")

@@ -57,6 +57,8 @@ REDUCTIONS = {aten.sum.dim_IntList: {"dtype"}, aten.mean.dim: {"dtype"}, aten.am
 MOVES = {aten.slice.Tensor: set(), aten.cat.default: set(), aten.slice_backward.default: set(),
          aten.expand.default: set(), aten.detach.default: set(), aten.alias.default: set()}
 VIEW_LIKE = (aten.slice.Tensor, aten.expand.default, aten.detach.default, aten.alias.default)
+# Ops that pass their input's values through unchanged (no arithmetic, no rounding).
+PASS_THROUGH = (aten.detach.default, aten.alias.default, aten.clone.default, aten.expand.default)
 # A row must fit one program: the widest value of a group, rounded up to a power of two.
 MAX_WIDTH = 16384
 
@@ -164,7 +166,7 @@ def _moves_last_dim(node: fx.Node, val: torch.Tensor) -> bool:
 
 
 def _computes(node: fx.Node) -> bool:
-    return node.target not in (aten.detach.default, aten.alias.default, aten.clone.default, aten.expand.default)
+    return node.target not in PASS_THROUGH
 
 
 def group_nodes(gm: fx.GraphModule) -> list[list[fx.Node]]:
