@@ -10,6 +10,7 @@ dropout mask is drawn once, in the forward). The backward runs the gradient node
 the forward nodes they need from the saved values, each just before its first use, so that a
 recomputed value is not held longer than the eager backward would hold it. A cut that would make
 the backward read an input that is not saved, or run a random or in-place op again, is refused.
+``detach``/``alias`` nodes (identities outside autograd) are dropped from both graphs.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def runs_in_forward_only(node: fx.Node) -> bool:
 def partition(joint: fx.GraphModule, n_outputs: int) -> PassResult:
     saved = [n for n in joint.graph.nodes if "saved" in info(n)]
     result = split(joint, n_outputs, saved)
+    for gm in (result.forward, result.backward):
+        _drop_detaches(gm)
     report = {
         "saved tensors": len([s for s in saved if s.op != "placeholder"]),
         "saved inputs": len([s for s in saved if s.op == "placeholder"]),
@@ -64,6 +67,18 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> PassResult:
         "primals": len([p for p in placeholders(joint) if info(p).get("role") != "tangent"]),
     }
     return PassResult(result, report)
+
+
+def _drop_detaches(gm: fx.GraphModule) -> None:
+    """The two graphs run outside autograd, where ``detach``/``alias`` return their input's values:
+    each is one dispatched call per layer per step for nothing, so readers take the input itself."""
+    identities = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in identities:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def split(joint: fx.GraphModule, n_outputs: int, saved) -> Partitioned:
