@@ -37,7 +37,11 @@ class Graphed:
         self.passthrough = [ids.get(id(t)) for t in self.static_outputs]
 
     def __call__(self, *inputs):
-        for static, t in zip(self.static_inputs, inputs):
+        for i, (static, t) in enumerate(zip(self.static_inputs, inputs)):
+            if static.shape != t.shape or static.dtype != t.dtype:
+                # copy_ would broadcast or cast silently; the region's guards should make this impossible
+                raise RuntimeError(f"CUDA graph input {i}: {t.dtype}{list(t.shape)}, captured for "
+                                   f"{static.dtype}{list(static.shape)}")
             if static.data_ptr() != t.data_ptr():
                 static.copy_(t)
         self.graph.replay()
