@@ -45,7 +45,8 @@ class Graphed:
             if static.data_ptr() != t.data_ptr():
                 static.copy_(t)
         self.graph.replay()
-        return [inputs[i] if i is not None else out.clone() for out, i in zip(self.static_outputs, self.passthrough)]
+        return [inputs[i] if i is not None else out.clone() if isinstance(out, torch.Tensor) else out
+                for out, i in zip(self.static_outputs, self.passthrough)]
 
 
 class Replayer:
