@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements to run after a change, in one call of at most ~10 minutes on an H100:
 #
-#   bash benchmarks/gpu_check.sh [tests|kernels|quick|all]      (default: all)
+#   bash benchmarks/gpu_check.sh [tests|kernels|quick|all]   (all = tests + kernels; quick needs its own call)
 #
 # Results go under $OUT (default ./gpu-check-out): pytest's summary, benchmarks/fused_rows.py's JSON
 # (fused kernels' bandwidth with and without launch cost, fusion on/off, CUDA graphs on/off) and
