@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..graph import output_node
 from ..passes.fusion import PASS_THROUGH, FusedRows
+from ..passes.memory_plan import value_bytes
 from . import cache
 from .render import render
 
@@ -312,7 +313,7 @@ class RowKernel:
             emitter.store(i, out)
         self.stride_of = emitter.stride_of
         self.input_vals = group.input_vals
-        spans = [_span(v) for v in [*self.input_vals, *self.output_vals] if isinstance(v, torch.Tensor)]
+        spans = [value_bytes(v) // v.element_size() for v in [*self.input_vals, *self.output_vals] if isinstance(v, torch.Tensor)]
         index_lines = []
         for d, size in enumerate(rows):
             inner = math.prod(rows[d + 1:])
@@ -372,10 +373,6 @@ def _shape(val) -> str:
     if not isinstance(val, torch.Tensor):
         return repr(val)
     return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}"
-
-
-def _span(val: torch.Tensor) -> int:
-    return 1 + sum((s - 1) * abs(st) for s, st in zip(val.shape, val.stride()))
 
 
 @functools.cache

@@ -186,7 +186,7 @@ def group_nodes(gm: fx.GraphModule) -> list[list[fx.Node]]:
                             key=lambda g: -len(groups[g]))
         joined = [node]
         for g in candidates:
-            if not _would_cycle(joined + groups[g], node, order):
+            if not _reads_itself(joined + groups[g]):
                 joined = groups.pop(g) + joined
         gid = order[node]
         groups[gid] = sorted(joined, key=order.__getitem__)
@@ -194,20 +194,6 @@ def group_nodes(gm: fx.GraphModule) -> list[list[fx.Node]]:
         for m in joined:
             group_of[m] = gid
     return list(groups.values())
-
-
-def _would_cycle(inside: list[fx.Node], last: fx.Node, order: dict) -> bool:
-    """Whether the nodes ``inside`` (``last`` the latest) read one another through an outside node:
-    a path member → outside node → member makes one kernel impossible."""
-    members = set(inside)
-    reached, stack = set(), [u for m in inside for u in m.users if u not in members]
-    while stack:
-        n = stack.pop()
-        if n in reached or order[n] >= order[last]:
-            continue  # only a node before the latest member can lead back into the group
-        reached.add(n)
-        stack.extend(u for u in n.users if u not in members)
-    return any(a in reached for m in inside for a in _tensor_args(m))
 
 
 def fusion(gm: fx.GraphModule) -> PassResult:
