@@ -136,17 +136,8 @@ def test_lora_layers_are_fused_under_autocast(dtype):
     "Trainer(fp16=True) needs a GPU for mixed precision: on the CPU, accelerate's Accelerator enables "
     "native AMP for fp16 only on a device other than cpu, so it trains in fp32 without autocast or a GradScaler"))
 def test_trainer_fp16_matches_eager(tmp_path):
+    from test_trainer import Tokens
     from transformers import Trainer, TrainingArguments
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n, seed):
-            self.ids = torch.randint(0, 101, (n, 12), generator=torch.Generator().manual_seed(seed))
-
-        def __len__(self):
-            return len(self.ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     def run(compiled):
         model = peft_llama(compiled, "cuda")
