@@ -100,7 +100,7 @@ POINTWISE = {
 for _op, _base in ((aten.add.Scalar, aten.add.Tensor), (aten.sub.Scalar, aten.sub.Tensor),
                    (aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor)):
     POINTWISE[_op] = POINTWISE[_base]
-IDENTITY = (aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default, aten.expand.default)
+IDENTITY = (aten._to_copy.default, *PASS_THROUGH)  # values unchanged (a cast rounds by its dtype)
 
 
 def _clamp(index: int, width: int) -> int:
