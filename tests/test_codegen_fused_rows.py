@@ -241,3 +241,130 @@ def test_bool_masks_are_read_only_as_conditions():
     got, want = _run_fused(lambda x, m: (torch.where(m, x * 2.0, -x) + 1.0, -(m.float()) * x * 3.0), x, mask)
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-6
+
+
+def _group_kernels_on(fn, inputs, poison=float("nan")):
+    """Each fused group of ``fn`` run on ``inputs``' own values: (kernel, its outputs, the group's
+    reference outputs), the kernel's outputs filled with ``poison`` before the run."""
+    gm, _, groups = _fused(fn, inputs)
+    assert groups, "nothing was fused"
+    results = []
+
+    class CheckGroups(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if not isinstance(target, FusedRows):
+                return super().call_function(target, args, kwargs)
+            kernel, expected = RowKernel(target), target(*args)
+            got = kernel(*args, out=[torch.full_like(e, poison) for e in expected])
+            results.append((kernel, got, expected))
+            return expected
+
+    CheckGroups(gm).run(*inputs)
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fn", [
+    lambda x: ((x * 2.0).amax(-1, keepdim=True) + 1.0,),
+    lambda x: (softmax_rows(x * 1.0),),
+], ids=["amax", "softmax"])
+def test_amax_of_a_row_holding_nan_is_nan_like_eager(fn, dtype):
+    x = torch.randn(5, 37, dtype=dtype, device=DEVICE)
+    x[1, 4] = float("nan")
+    x[3, 36] = float("nan")  # the last column: next to the masked tail of the block
+    # Outputs poisoned with a finite value, so a NaN in them is one the kernel wrote.
+    for kernel, got, expected in _group_kernels_on(fn, (x,), poison=12345.0):
+        for g, e in zip(got, expected):
+            assert e.isnan().any()
+            assert torch.equal(g.isnan(), e.isnan()), kernel.name
+            finite = ~e.isnan()
+            assert _close(g[finite], e[finite], dtype, e[finite].float().abs().max().item()), kernel.name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("op", ["add", "sub", "scalar-sub", "mul", "maximum"])
+def test_fp32_scalar_tensor_is_rounded_to_the_16bit_dtype_before_the_op(op, dtype):
+    # A 0-dim fp32 tensor does not promote a 16-bit tensor: the op computes in the 16-bit dtype,
+    # and eager converts the scalar to it first. 0.1234567 is not a bf16 / fp16 value.
+    binary = {"add": torch.add, "sub": torch.sub, "scalar-sub": lambda x, s: s - x, "mul": torch.mul,
+              "maximum": torch.maximum}[op]
+    fn = lambda x, s: (-binary(x, s),)  # noqa: E731  (negation is exact: the result is the op's)
+    x = torch.randn(6, 45, device=DEVICE).to(dtype)
+    s = torch.tensor(0.1234567, device=DEVICE)
+    assert s.to(dtype).float() != s
+    [(kernel, (got,), (expected,))] = _group_kernels_on(fn, (x, s))
+    assert expected.dtype == dtype and got.dtype == dtype and not got.isnan().any()
+    want = (-binary(x.float(), s.to(dtype).float())).to(dtype)  # the op on the rounded scalar
+    if not (op == "mul" and DEVICE == "cpu"):
+        # (The CPU's eager mul, alone of these, reads a 0-dim operand of a 16-bit op unrounded:
+        # TensorIterator's original_scalar_value. CUDA's rounds it; the kernels follow CUDA.)
+        assert torch.equal(expected, want)
+    if dtype == torch.float16 or DEVICE == "cuda":
+        assert torch.equal(got, want), kernel.name
+    else:  # Triton's interpreter rounds fp32 to bf16 by truncation: no last bit to compare
+        assert rel_err(got.float(), want.float()) <= TOLERANCE[dtype], kernel.name
+
+
+def _offset_types(source: str) -> tuple[bool, bool]:
+    """Whether the kernel's row and column indices are int64 (every offset is index * stride)."""
+    lines = {line.split("=")[0].strip(): line.rstrip() for line in source.splitlines() if " = " in line}
+    return lines["rows"].endswith(".to(tl.int64)"), lines["cols"].endswith(".to(tl.int64)")
+
+
+def _one_kernel(fn, *inputs) -> RowKernel:
+    _, _, [node] = _fused(fn, inputs)
+    return RowKernel(node.target)
+
+
+TRANSPOSED_PAST_2_31 = ((4, 40), (1, 56_000_000))  # 4 columns of a [40, 56M] tensor, transposed:
+# its column 39 is 39 * 56M > 2^31 elements away from column 0.
+
+
+def test_offsets_are_64_bit_where_a_stride_times_an_index_can_pass_2_31():
+    fn = lambda x: (x * 2.0 + 1.0,)  # noqa: E731
+    wide = _one_kernel(fn, torch.empty_strided(*TRANSPOSED_PAST_2_31, device="meta"))  # layout, no memory
+    assert _offset_types(wide.source) == (True, True)
+    narrow = _one_kernel(fn, torch.randn(40, 4, device=DEVICE).t())
+    assert _offset_types(narrow.source) == (False, False)  # int32 where it cannot overflow
+    assert _offset_types(narrow._wide.source) == (True, True)  # what it runs for a wider layout
+
+
+@pytest.mark.parametrize("recorded", ["recorded-wide", "recorded-narrow"])
+def test_a_transposed_input_past_2_31_elements_is_read_where_it_is(recorded):
+    # A kernel made for the wide layout, and one made for a small layout that is called with it
+    # (it runs its int64 variant). 39 * 56M + 4 bf16 elements: 4.4 GB of address space, of which
+    # the kernel reads 160 elements (on the CPU, only the pages touched are ever backed).
+    fn = lambda x: (x * 2.0 + 1.0,)  # noqa: E731
+    shape, stride = TRANSPOSED_PAST_2_31
+    try:
+        base = torch.empty(1 + sum((n - 1) * st for n, st in zip(shape, stride)), dtype=torch.bfloat16, device=DEVICE)
+    except (RuntimeError, MemoryError):
+        pytest.skip("no 4.4 GB of address space for the input")
+    x = base.as_strided(shape, stride)
+    x.copy_(torch.randn(shape, device=DEVICE))
+    if recorded == "recorded-wide":
+        kernel = _one_kernel(fn, torch.empty_strided(shape, stride, dtype=torch.bfloat16, device="meta"))
+    else:
+        kernel = _one_kernel(fn, torch.empty(shape, dtype=torch.bfloat16, device=DEVICE))
+    # With int32 offsets the kernel would read outside the buffer (a crash, not a failure).
+    assert _offset_types((kernel if kernel.wide_offsets else kernel._wide).source) == (True, True)
+    (got,) = kernel(x, out=[torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)])
+    (want,) = fn(x)
+    assert not got.isnan().any() and rel_err(got.float(), want.float()) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_64_bit_offsets_compute_the_same_values(dtype):
+    # The int64 variant of a kernel on an ordinary layout (with strides and shifted columns).
+    fn, inputs = _case("rotary", dtype)
+    _, _, groups = _fused(fn, inputs)
+    generator = torch.Generator().manual_seed(3)
+    for node in groups:
+        kernel = RowKernel(node.target, wide_offsets=True)
+        assert "_i64" in kernel.name
+        args = [_random_like(v, generator) for v in kernel.input_vals]
+        expected = node.target(*args)
+        got = kernel(*args, out=[torch.full_like(e, float("nan")) for e in expected])
+        scale = max(e.float().abs().max().item() for e in expected)
+        for g, e in zip(got, expected):
+            assert not g.isnan().any() and _close(g, e, dtype, scale), kernel.name

@@ -4,11 +4,12 @@ The kernel (``templates/fused_rows.py.jinja``) gives each program ``BLOCK_R`` ro
 frame and whole rows of ``BLOCK_D`` columns. Every value of the group is an expression of the
 column index: a value at column ``c`` of ``x`` (``x[..., c]``) is emitted once per column offset
 it is read at, so data moves along the last dim (slices, ``cat``, ``slice_backward``: rotary
-embeddings) are index shifts of loads, never copies; a row reduction is ``tl.sum``/``tl.max`` over
-the program's columns; a value of width 1 is one number per row. Inputs are read through their
-strides (broadcast dims read stride 0), outputs are written with the strides the graph recorded
-for them. Values in 16-bit dtypes are computed in fp32 and rounded to their dtype after each op,
-as the eager ops do.
+embeddings) are index shifts of loads, never copies; a row reduction is a sum or a NaN-propagating
+max over the program's columns; a value of width 1 is one number per row. Inputs are read through
+their strides (broadcast dims read stride 0), outputs are written with the strides the graph
+recorded for them; offsets are int64 where one can reach 2^31. Values in 16-bit dtypes are computed
+in fp32 and rounded to their dtype after each op, as the eager ops do (a 0-dim fp32 operand of a
+16-bit op is rounded to it first, as eager converts it).
 """
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ class _Emitter:
         self.stride_of: list[tuple[str, int, int]] = []  # (operand kind, operand index, dim)
         self.row_offset: dict[str, str] = {}
         self.offsets_emitted: set[int] = set()
+        self.max_with_nan = False  # whether the body reduces with the template's max_with_nan
 
     # --- operands -----------------------------------------------------------------------------
     def _stride(self, pointer: str, kind: str, index: int, dim: int) -> str:
@@ -205,21 +207,36 @@ class _Emitter:
         self.memo[key] = name
         return name
 
+    def operand(self, node: fx.Node, shift: int | None, dtype: torch.dtype) -> str:
+        """``node``'s value as an op computing in ``dtype`` reads it. Eager converts every operand to
+        the op's dtype first; that rounds only a 0-dim fp32 tensor read by a 16-bit op (a 0-dim
+        tensor does not promote the op's dtype), once per kernel."""
+        name = self.value(node, shift)
+        if dtype not in ROUNDED or node.meta["val"].dtype in (dtype, torch.bool):
+            return name
+        key = (node, shift, dtype)
+        if key not in self.memo:
+            rounded = f"{name}_{str(dtype).replace('torch.', '')}"
+            self.lines.append(f"{rounded} = {name}.to({TL_DTYPES[dtype]}).to(tl.float32)")
+            self.memo[key] = rounded
+        return self.memo[key]
+
     def expression(self, node: fx.Node, shift: int | None) -> str:
         target, args = node.target, node.args
+        dtype = node.meta["val"].dtype
         if target in POINTWISE:
-            tensors = [self.value(a, shift) if isinstance(a, fx.Node) else a for a in args]
+            tensors = [self.operand(a, shift, dtype) if isinstance(a, fx.Node) else a for a in args]
             strings = [t if isinstance(t, str) else _lit(t) for t in tensors]
             kwargs = {k: v for k, v in node.kwargs.items()}
             return POINTWISE[target](*strings, **kwargs)
         if target in IDENTITY:
             return self.value(args[0], shift)
         if target == aten.silu_backward.default:
-            g, x = self.value(args[0], shift), self.value(args[1], shift)
+            g, x = self.operand(args[0], shift, dtype), self.operand(args[1], shift, dtype)
             s = f"tl.sigmoid({x})"
             return f"{g} * ({s} * (1.0 + {x} * (1.0 - {s})))"
         if target == aten.gelu_backward.default:
-            g, x = self.value(args[0], shift), self.value(args[1], shift)
+            g, x = self.operand(args[0], shift, dtype), self.operand(args[1], shift, dtype)
             if node.kwargs.get("approximate", "none") == "tanh":
                 inner = f"{SQRT_2_OVER_PI} * ({x} + 0.044715 * {x} * {x} * {x})"
                 t = f"(2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)"
@@ -232,8 +249,11 @@ class _Emitter:
             if width == 1:
                 return x
             if target == aten.amax.default:
+                # tl.max drops NaN; torch.amax returns NaN for a row holding one: reduce with the
+                # NaN-propagating maximum the template defines.
                 masked = f"tl.where(cols < {width}, {x}, float('-inf'))" if width < self.block_d else x
-                return f"tl.max({masked}, axis=1)[:, None]"
+                self.max_with_nan = True
+                return f"tl.reduce({masked}, 1, max_with_nan)[:, None]"
             masked = f"tl.where(cols < {width}, {x}, 0.0)" if width < self.block_d else x
             total = f"tl.sum({masked}, axis=1)[:, None]"
             return total if target == aten.sum.dim_IntList else f"{total} / {float(width)}"
@@ -289,10 +309,22 @@ def _describe(node: fx.Node) -> str:
     return f"{node.name}: {dtype}{list(val.shape)} = {node.target}({args}{kwargs})"
 
 
-class RowKernel:
-    """The Triton kernel of one ``FusedRows`` group, called like the group (same inputs, same outputs)."""
+def _span(val) -> int:
+    """Elements a tensor's offsets reach (its strides included), 0 for anything else."""
+    return value_bytes(val) // val.element_size() if isinstance(val, torch.Tensor) else 0
 
-    def __init__(self, group: FusedRows):
+
+class RowKernel:
+    """The Triton kernel of one ``FusedRows`` group, called like the group (same inputs, same outputs).
+
+    Offsets (index × stride) are int32 unless an operand spans 2^31 elements or more (a transposed
+    input with a large last-dim stride, say): then the kernel computes its row and column indices,
+    and so every offset, in int64. ``wide_offsets`` forces one or the other; by default it follows
+    the strides the graph recorded, and a call with operands whose strides reach further runs the
+    int64 variant.
+    """
+
+    def __init__(self, group: FusedRows, wide_offsets: bool | None = None):
         self.group = group
         self.__name__ = group.__name__
         rows = group.rows
@@ -313,7 +345,9 @@ class RowKernel:
             emitter.store(i, out)
         self.stride_of = emitter.stride_of
         self.input_vals = group.input_vals
-        spans = [value_bytes(v) // v.element_size() for v in [*self.input_vals, *self.output_vals] if isinstance(v, torch.Tensor)]
+        if wide_offsets is None:
+            wide_offsets = max(map(_span, [*self.input_vals, *self.output_vals]), default=0) >= 2**31
+        self.wide_offsets = wide_offsets
         index_lines = []
         for d, size in enumerate(rows):
             inner = math.prod(rows[d + 1:])
@@ -336,7 +370,8 @@ class RowKernel:
             n_rows=self.n_rows,
             rows_shape=" × ".join(str(r) for r in rows) or "1",
             width=self.width,
-            wide_offsets=max(spans, default=0) >= 2**31,
+            wide_offsets=wide_offsets,
+            max_with_nan=emitter.max_with_nan,
             index_lines=index_lines,
             body=emitter.lines,
         )
@@ -348,7 +383,12 @@ class RowKernel:
             op = op.split(".")[0].lstrip("_")
             if op not in ops and op not in ("to_copy", "clone"):
                 ops.append(op)
-        return f"rows_{'_'.join(ops[:5])}{'_etc' if len(ops) > 5 else ''}_w{self.width}"
+        wide = "_i64" if self.wide_offsets else ""
+        return f"rows_{'_'.join(ops[:5])}{'_etc' if len(ops) > 5 else ''}_w{self.width}{wide}"
+
+    @functools.cached_property
+    def _wide(self) -> RowKernel:
+        return RowKernel(self.group, wide_offsets=True)
 
     def kernel(self, device: torch.device):
         return _load(self.name, self.source, device)
@@ -361,6 +401,8 @@ class RowKernel:
         outputs = out if out is not None else [
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device) for v in self.output_vals
         ]
+        if not self.wide_offsets and max(map(_span, [*inputs, *outputs]), default=0) >= 2**31:
+            return self._wide(*inputs, out=outputs)
         operands = {"in": inputs, "out": outputs}
         strides = [operands[kind][index].stride(dim) for kind, index, dim in self.stride_of]
         grid = (-(-self.n_rows // self.block_r),)
