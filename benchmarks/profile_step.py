@@ -4,6 +4,8 @@
 
 Prints, per method, the step's wall time, the GPU's busy time, and the kernels and CPU-side ops
 that take the most time; writes the full tables (and a Chrome trace with --trace) under --out.
+With --python, the same steps also run under cProfile: where the host's Python time goes (a step
+whose CPU time equals its GPU time is bound by launching its kernels).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 
 
-def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: str | None, trace: bool) -> str:
+def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: str | None, trace: bool,
+            python: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     model, peft_model, _ = bench.build_model(workload, method.split(":")[0], "cuda")
@@ -45,10 +48,13 @@ def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: s
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
     events = prof.key_averages()
+    python_table = _python_profile(step, steps) if python else ""
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     lines = [f"## {method} on {workload} {batch}x{seq}: wall {wall_ms:.1f} ms/step, GPU busy {gpu_ms:.1f} ms/step"]
     lines.append(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    if python_table:
+        lines.append(python_table)
     text = "\n".join(lines)
     if out:
         name = method.replace(":", "-")
@@ -61,6 +67,26 @@ def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: s
     return lines[0]
 
 
+def _python_profile(step, steps: int) -> str:
+    """cProfile over ``steps`` steps: the functions with the most own time, then the most cumulative."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return f"### cProfile over {steps} steps\n" + text.getvalue()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", default="qwen2-0.5b", choices=sorted(bench.WORKLOADS))
@@ -71,10 +97,11 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--python", action="store_true", help="also profile the host's Python with cProfile")
     args = parser.parse_args()
     summary = []
     for method in args.method or ["peft-eager", "loracc"]:
-        summary.append(profile(method, args.workload, args.batch, args.seq, args.steps, args.out, args.trace))
+        summary.append(profile(method, args.workload, args.batch, args.seq, args.steps, args.out, args.trace, args.python))
     print("\n".join(summary))
 
 

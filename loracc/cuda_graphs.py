@@ -2,27 +2,42 @@
 
 A region's forward or backward runs the same kernels on the same shapes at every call; only the
 tensors differ (every layer of a block brings its own weights and activations). ``Graphed`` runs
-the function once to warm it up (kernels compiled, autotuning done), captures it into a CUDA graph
-over static copies of its inputs, and at each call copies the call's inputs into those buffers,
-replays the graph, and hands back fresh copies of its outputs (the static outputs are overwritten
-by the next replay: the next layer). An output that is one of the inputs (a weight the forward
-hands to the backward) is returned as the caller's own tensor, not copied.
+the function once to warm it up, captures it into a CUDA graph over static copies of its inputs,
+and at each call copies the call's inputs into those buffers, replays the graph, and hands back
+fresh copies of its outputs (the static outputs are overwritten by the next replay: the next
+layer). An output that is one of the inputs (a weight the forward hands to the backward) is
+returned as the caller's own tensor, not copied.
 
 Costs, against the Python and launch overhead it removes: the copies of the inputs and outputs
-(for a block layer, its weights and what its forward saves), and the graph's memory pool, which
-keeps the workspace of one call allocated.
+(for a block layer, its weights and what its forward saves), and memory: the static inputs and
+outputs of each graph, and the workspace of one call. Every graph of a model captures into one
+shared memory pool, so the workspaces of different graphs overlap (they never run at once: one
+stream, and each graph's temporaries are dead when it returns).
+
+``Replayer`` decides per graph, at its second call (the first compiles and autotunes):
+
+- ``mode="on"``: capture and replay from then on;
+- ``mode="auto"``: time that call run from Python (kernel launches included, synchronized), capture,
+  time the replay (best of three), and keep the graph only if a replay takes at most ``KEEP_BELOW``
+  of the Python call: a step bound by launching kernels (small hidden sizes) gains, a GPU-bound one
+  would only pay the copies and the memory. A backward given ``after=`` its forward tries only if
+  that forward kept its graph (so a GPU-bound model never captures its backward, where the step's
+  memory peaks).
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 log = logging.getLogger("loracc")
 
+KEEP_BELOW = 0.8  # mode "auto": a graph stays when a replay takes at most this fraction of a Python call
+
 
 class Graphed:
-    def __init__(self, fn, inputs: list[torch.Tensor]):
+    def __init__(self, fn, inputs: list[torch.Tensor], pool=None):
         self.static_inputs = [t.clone() for t in inputs]
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -30,7 +45,7 @@ class Graphed:
         with torch.cuda.stream(side):
             fn(*self.static_inputs)  # warm-up, as capture requires
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             outputs = fn(*self.static_inputs)
         self.static_outputs = list(outputs)
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
@@ -50,27 +65,61 @@ class Graphed:
 
 
 class Replayer:
-    """``fn`` run eagerly at its first call, as a CUDA graph from the second on (when every input
-    is a CUDA tensor); a capture that fails leaves it eager, with the reason logged."""
+    """``fn`` run from Python at its first call; from the second on, as a CUDA graph when ``mode``
+    says so (see the module's docstring). A capture that fails leaves it in Python, with the reason
+    logged. ``decision`` says what was decided and why (None before the second call)."""
 
-    def __init__(self, fn, name: str):
-        self.fn, self.name = fn, name
+    def __init__(self, fn, name: str, mode: str = "on", pool=None, after: "Replayer | None" = None):
+        if mode not in ("on", "auto"):
+            raise ValueError(f"Replayer mode must be 'on' or 'auto', got {mode!r}")
+        self.fn, self.name, self.mode, self.pool, self.after = fn, name, mode, pool, after
         self.calls = 0
         self.graphed: Graphed | None = None
         self.failed: str | None = None
+        self.decision: str | None = None
+
+    @property
+    def may_graph(self) -> bool:
+        """Whether this graph replays, or may still decide to (for the predicted peak)."""
+        return self.graphed is not None or self.decision is None
 
     def __call__(self, *inputs):
         self.calls += 1
         if self.graphed is not None:
             return self.graphed(*inputs)
-        if self.calls < 2 or self.failed or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+        if self.calls < 2 or self.decision is not None or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             return self.fn(*inputs)
+        if self.mode == "auto" and self.after is not None and self.after.graphed is None:
+            self.decision = f"runs from Python, as {self.after.name} does"
+            return self.fn(*inputs)
+        outputs = None
+        if self.mode == "auto":
+            python_s, outputs = _timed(lambda: self.fn(*inputs))
         try:
-            self.graphed = Graphed(self.fn, list(inputs))
-        except Exception as exc:  # noqa: BLE001 - any capture failure: stay eager, say why
+            graphed = Graphed(self.fn, list(inputs), self.pool)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
             self.failed = f"{type(exc).__name__}: {exc}"
+            self.decision = f"runs from Python: the capture failed ({self.failed})"
             log.warning("loracc: %s runs without a CUDA graph: %s", self.name, self.failed)
             torch.cuda.synchronize()
-            return self.fn(*inputs)
-        log.info("captured %s as a CUDA graph", self.name)
-        return self.graphed(*inputs)
+            return self.fn(*inputs) if outputs is None else outputs
+        if self.mode == "on":
+            self.graphed, self.decision = graphed, "CUDA graph (cuda_graphs=True)"
+            log.info("captured %s as a CUDA graph", self.name)
+            return graphed(*inputs)
+        replay_s = min(_timed(lambda: graphed(*inputs))[0] for _ in range(3))
+        timing = f"replay {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms from Python"
+        if replay_s <= KEEP_BELOW * python_s:
+            self.graphed, self.decision = graphed, f"CUDA graph ({timing})"
+        else:
+            self.decision = f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)"
+        log.info("%s: %s", self.name, self.decision)
+        return outputs
+
+
+def _timed(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, result

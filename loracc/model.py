@@ -48,7 +48,7 @@ class CompiledState:
     previous_forwards: dict = field(default_factory=dict)
 
 
-def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool = False) -> nn.Module:
+def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool | str = "auto") -> nn.Module:
     """Compile ``model``'s LoRA training step in place and return it.
 
     The returned object is ``model`` itself: its parameters, ``state_dict``, PEFT's
@@ -62,17 +62,20 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     on the whole step's predicted peak, weights, gradients and AdamW state included; if nothing fits,
     the first training call raises ``LoraccError`` naming the smallest peak possible.
     ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
-    ``cuda_graphs``: replay each compiled graph as a CUDA graph from its second call on (Triton
-    backend on CUDA). It pays where the step is bound by Python and kernel launches (small hidden
-    sizes: Qwen2-0.5B 1.75× faster on an H100) and costs memory the predicted peak does not count
-    (static inputs and outputs, one workspace per graph: +1.4 GB there) plus copies that slow a
-    GPU-bound step (Llama-3.2-1B: −4%, +2.9 GB).
+    ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/cuda_graphs.py``): ``"auto"`` replays a
+    compiled graph as a CUDA graph where, timed at its second call, a replay is clearly faster than
+    running it from Python: steps bound by kernel launches (small hidden sizes, e.g. Qwen2-0.5B)
+    gain, GPU-bound ones (Llama-3.2-1B at 4×2048) stay as they are. Only with the fastest plan
+    (``memory_budget=None``): graphs keep static copies of their inputs and outputs, memory a budget
+    did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
     """
     if not isinstance(model, nn.Module):
         raise LoraccError(f"loracc.compile expects a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_loracc", None) is not None:
         return model
-    if cuda_graphs and (backend == "eager" or _device_type(model) != "cuda"):
+    if cuda_graphs not in (True, False, "auto"):
+        raise LoraccError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+    if cuda_graphs is True and (backend == "eager" or _device_type(model) != "cuda"):
         raise LoraccError("cuda_graphs=True needs the Triton backend on a CUDA device (the model is on "
                           f"{_device_type(model)}, backend {backend!r}); leave cuda_graphs=False there")
     if not isinstance(backend, str):
@@ -87,13 +90,20 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
         )
     trainable, frozen = count_parameters(model)
     state = CompiledState(
-        regions=[], backend=get_backend(backend, device, cuda_graphs=cuda_graphs), lora_layers=lora_layers,
+        regions=[], backend=get_backend(backend, device, cuda_graphs=_graph_mode(cuda_graphs, memory_budget)),
+        lora_layers=lora_layers,
         trainable_params=trainable, frozen_params=frozen, memory_budget=memory_budget,
         persistent_bytes=persistent_bytes(model),
     )
     _install(model, state)
     model._loracc = state
     return model
+
+
+def _graph_mode(cuda_graphs, memory_budget) -> str:
+    if cuda_graphs == "auto":
+        return "auto" if memory_budget is None else "off"
+    return "on" if cuda_graphs else "off"
 
 
 def _device_type(model: nn.Module) -> str:

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
-from .graph import copy_graph, placeholders, role
+from .graph import copy_graph, output_node, placeholders, role
 from .passes import FORWARD_PASSES, fusion, memory_plan, partition, remat
 from .passes.memory_plan import RegionMemory, step_peak_bytes, value_bytes
 
@@ -76,10 +76,11 @@ def compile_call(
     reports["memory_plan"] = memory
 
     out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
+    forward = backend.compile(parts.forward, "forward")
     return Program(
         captured=captured,
-        forward=backend.compile(parts.forward, "forward"),
-        backward=backend.compile(parts.backward, "backward"),
+        forward=forward,
+        backward=backend.compile(parts.backward, "backward", after=forward),
         n_inputs=len(inputs),
         n_outputs=n_outputs,
         differentiable=[v.is_floating_point() for v in out_vals],
@@ -90,24 +91,32 @@ def compile_call(
     )
 
 
-def cuda_graph_bytes(program: Program) -> int:
-    """What replaying ``program`` as CUDA graphs keeps allocated for good: per graph (forward,
-    backward), the static copies of its inputs and its memory pool (the graph's peak above its
-    inputs, outputs included). An estimate from the plan, checked against one measurement only."""
-    total = 0
-    for stage in ("forward", "backward"):
-        total += sum(value_bytes(p.meta.get("val")) for p in placeholders(program.stages[stage]))
-        total += program.reports["memory_plan"][stage]["peak_bytes"]
-    return total
+def cuda_graph_bytes(programs: list[Program]) -> int:
+    """What the CUDA graphs that replay (or may still decide to) keep allocated for good: each
+    graph's static inputs and outputs, plus the largest workspace among them (every graph captures
+    into one shared pool; see ``cuda_graphs``). An estimate from the memory plans."""
+    from .cuda_graphs import Replayer
+
+    held = workspace = 0
+    for program in programs:
+        for stage in ("forward", "backward"):
+            fn = getattr(program, stage)
+            if not (isinstance(fn, Replayer) and fn.may_graph):
+                continue
+            graph = program.stages[stage]
+            outputs = sum(value_bytes(o.meta.get("val")) for o in output_node(graph).args[0] if isinstance(o, fx.Node))
+            held += sum(value_bytes(p.meta.get("val")) for p in placeholders(graph)) + outputs
+            workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - outputs)
+    return held + workspace
 
 
-def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int, cuda_graphs: bool = False) -> int:
+def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:
     """The predicted peak memory of one training step, before it runs.
 
     ``runs``: each compiled region's program with how many times a step runs it (a block region: its
     number of layers); ``persistent_bytes``: what lives across steps (weights, buffers, LoRA
-    gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``. With ``cuda_graphs``,
-    every program's graphs add ``cuda_graph_bytes``.
+    gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``. Programs replayed as CUDA
+    graphs (or still to decide, with ``cuda_graphs="auto"``) add ``cuda_graph_bytes``.
     """
     regions = []
     for program, repeats in runs:
@@ -120,6 +129,5 @@ def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int,
             backward_peak_bytes=memory["backward"]["peak_bytes"],
             tangent_bytes=memory["tangent_bytes"],
         ))
-    graphs = sum(cuda_graph_bytes(program) for program, _ in runs) if cuda_graphs else 0
-    return step_peak_bytes(regions, persistent_bytes) + graphs
+    return step_peak_bytes(regions, persistent_bytes) + cuda_graph_bytes([program for program, _ in runs])
 

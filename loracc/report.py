@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .cross_entropy import LINEAR_CROSS_ENTROPY
+from .cuda_graphs import Replayer
 from .dump import format_bytes
 from .errors import LoraccError
 from .pipeline import predicted_peak_bytes
@@ -27,6 +28,7 @@ class RegionReport:
     fallbacks: list
     fused_groups: int = 0  # groups of pointwise ops / row reductions made one kernel (forward + backward)
     loss: str | None = None  # head regions: how the projection + loss run
+    cuda_graphs: list[str] = field(default_factory=list)  # per graph replayed as a CUDA graph or not, and why
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Report:
             )
             if r.loss:
                 lines.append(f"      loss: {r.loss}")
+            for decision in r.cuda_graphs:
+                lines.append(f"      {decision}")
             for reason in r.recompiles:
                 lines.append(f"      recompiled: {reason}")
             for name, reason in r.unmatched_lora.items():
@@ -80,9 +84,9 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     ``predicted_peak_bytes`` is the peak memory of a training step as planned before it runs:
     weights, gradients and AdamW state, every region's saved values times its repeats, and the
     largest region's forward or backward workspace, including the fused loss's chunk temporaries
-    (the eager glue and temporaries inside ATen ops are not counted); with ``cuda_graphs=True``, also
-    each graph's static inputs and memory pool (an estimate); None until a training call compiled
-    the regions.
+    (the eager glue and temporaries inside ATen ops are not counted); for graphs replayed as CUDA
+    graphs (or, with ``cuda_graphs="auto"``, still to decide), also their static inputs and outputs
+    and the shared pool's workspace (an estimate); None until a training call compiled the regions.
     """
     state = getattr(model, "_loracc", None)
     if state is None:
@@ -108,6 +112,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             fallbacks=list(region.fallbacks),
             fused_groups=sum(r.get("groups", 0) for r in program.reports.get("fusion", {}).values()) if program else 0,
             loss=_loss(program) if program and region.kind == "head" else None,
+            cuda_graphs=_graph_decisions(program) if program else [],
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
@@ -117,9 +122,17 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
         regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
         trainable_params=state.trainable_params, frozen_params=state.frozen_params,
         backend=state.backend.name, eager_parts=eager,
-        predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes, getattr(state.backend, "cuda_graphs", False))
-        if runs else None,
+        predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes) if runs else None,
     )
+
+
+def _graph_decisions(program) -> list[str]:
+    decisions = []
+    for stage in ("forward", "backward"):
+        fn = getattr(program, stage)
+        if isinstance(fn, Replayer):
+            decisions.append(f"{stage}: {fn.decision or 'decides on its second call whether to replay as a CUDA graph'}")
+    return decisions
 
 
 def _loss(program) -> str:

@@ -1,8 +1,9 @@
 """Codegen: turn an optimized fx graph into something that runs.
 
-A backend has a ``name`` and ``compile(gm, stage) -> callable``: it receives the forward or the
-backward graph of a region after every pass and returns the function the runtime calls with the
-graph's inputs, which must return the graph's outputs as a list.
+A backend has a ``name`` and ``compile(gm, stage, after=None) -> callable``: it receives the forward
+or the backward graph of a region after every pass (for a backward, ``after`` is what it returned
+for the forward) and returns the function the runtime calls with the graph's inputs, which must
+return the graph's outputs as a list.
 
 - ``eager``: runs the graph's ATen ops (and the reference implementations of loracc's ops) as they
   are; works on every device, and is the CPU path.
@@ -28,14 +29,14 @@ class EagerBackend:
     def __init__(self, device: torch.device):
         pass
 
-    def compile(self, gm: fx.GraphModule, stage: str):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None):
         return gm
 
 
 BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}
 
 
-def get_backend(name: str, device: torch.device, cuda_graphs: bool = False):
+def get_backend(name: str, device: torch.device, cuda_graphs: bool | str = False):
     if name == "auto":
         name = "triton" if device.type == "cuda" and available(device) is None else "eager"
     if name not in BACKENDS:

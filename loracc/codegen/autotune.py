@@ -2,8 +2,9 @@
 
 A computation (say, the forward of one LoRA linear at one shape) has candidates: the fused
 template at a few block configurations, and cuBLAS with a small extra step. On a GPU the first
-call times each candidate on the call's own inputs (median of Triton's ``do_bench``) and keeps the
-fastest; the choice and every timing go to the on-disk cache, so later processes skip the timing.
+call times each candidate on the call's own inputs and keeps the fastest (median of CUDA-event
+timings, L2 flushed in between); the choice and every timing go to the on-disk cache, so later
+processes skip the timing.
 Candidates must compute the same result (their tests check that against the reference); one that
 fails to compile or launch (too much shared memory for a config, say) is left out, with the error
 kept in the record. Under the Triton interpreter nothing is timed: the first candidate runs.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from typing import Callable
 
 import torch
@@ -52,15 +54,29 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     return choice
 
 
-def measure(candidates: dict[str, Callable[[], object]]) -> dict[str, float | str]:
-    """Median milliseconds of each candidate, or why it could not run."""
-    from triton.testing import do_bench
+def measure(candidates: dict[str, Callable[[], object]], reps: int = 25) -> dict[str, float | str]:
+    """Median milliseconds of each candidate (CUDA events, L2 flushed before each run), or why it could not run.
 
+    The flush buffer is the size of the GPU's L2 cache, no more: autotuning happens inside the first
+    step, where a larger scratch buffer (Triton's ``do_bench`` takes 256 MB) would raise the step's peak.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    flush = torch.empty(l2, dtype=torch.int8, device=device)
     timings: dict[str, float | str] = {}
     for name, fn in candidates.items():
         try:
-            fn()
-            timings[name] = float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+            for _ in range(3):  # compiles on the first call; a config that cannot run raises here
+                fn()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for start, end in events:
+                flush.zero_()
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            timings[name] = statistics.median(start.elapsed_time(end) for start, end in events)
         except Exception as exc:  # noqa: BLE001 - a config that does not fit this GPU is left out
             timings[name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+    del flush
     return timings

@@ -42,16 +42,22 @@ def available(device: torch.device) -> str | None:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, device: torch.device, cuda_graphs: bool = False):
+    def __init__(self, device: torch.device, cuda_graphs: bool | str = False):
         reason = available(device)
         if reason is not None:
             raise LoraccError(f"backend 'triton': {reason}; use backend='eager' on this device")
         self.report: list[dict] = []
-        # With cuda_graphs, each compiled graph replays as a CUDA graph from its second call on
-        # (loracc/cuda_graphs.py); otherwise it runs from Python every call.
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        # CUDA graphs (loracc/cuda_graphs.py): "on" replays each compiled graph as a CUDA graph from
+        # its second call on, "auto" does where that measured faster, "off" runs them from Python.
+        mode = {True: "on", False: "off"}.get(cuda_graphs, cuda_graphs)
+        if mode not in ("on", "off", "auto"):
+            raise LoraccError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+        self.cuda_graphs = mode if device.type == "cuda" else "off"
+        self._pool = None  # one memory pool for every graph of the model (made at the first capture)
 
-    def compile(self, gm: fx.GraphModule, stage: str):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None):
+        """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
+        ``gm`` is its backward."""
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
         for node in gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
@@ -91,4 +97,9 @@ class TritonBackend:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
         gm.recompile()
-        return Replayer(gm, f"{stage} graph") if self.cuda_graphs else gm
+        if self.cuda_graphs == "off":
+            return gm
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
+                        after=after if isinstance(after, Replayer) else None)
