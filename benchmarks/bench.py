@@ -33,7 +33,8 @@ Sweep. One worker per method runs every sequence length, shortest first, at batc
 reset between lengths. torch.compile runs there with dynamic=True (one graph for every length), and
 loracc-8gb shares loracc's caches: the sweep measures memory, not compile time. A length that runs
 out of memory ends the method's sweep (longer ones are marked not run). ``report.py`` derives from
-the measured peaks the longest sequence that fits in 8 GB and in 24 GB.
+the measured peaks the longest sequence that fits in 8 GiB and in 24 GiB (memory is reported in GiB,
+2^30 bytes; the JSON keeps bytes).
 
 This file holds the workloads, the methods and a worker's code; ``bench_runner.py`` the plan, its
 time estimate and the worker processes.
@@ -81,7 +82,7 @@ WORKLOADS = {
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5)),
     # Llama-3-8B's shapes (Llama-3.1-8B has the same; only its rope scaling differs). In bf16 its
-    # weights are 16 GB; eager PEFT at 1 x 2048 needs about 40 GB, so it fits an 80 GB H100.
+    # weights are 15 GiB; eager PEFT at 1 x 2048 peaks at about 36.5 GiB, so it fits an H100 80GB.
     "llama-3-8b": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)),
@@ -102,7 +103,7 @@ METHODS = {
     "unsloth-nocompile": "the same with UNSLOTH_COMPILE_DISABLE=1: its Triton kernels, no torch.compile of its layers",
     "loracc": "loracc.compile, default plan",
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
-    "loracc-8gb": "loracc.compile with memory_budget='8GB' (a limit on the whole step's peak)",
+    "loracc-8gb": "loracc.compile with memory_budget='8GB' (8e9 bytes = 7.45 GiB; a limit on the whole step's peak)",
     "loracc-graphs": "loracc.compile with cuda_graphs=True (each compiled graph replayed as a CUDA graph)",
 }
 LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None}  # loracc-budget: --loracc-budget
@@ -176,7 +177,7 @@ def _no_progress(stage: str) -> None:
 
 def make_base(workload: str, device):
     """The workload's model with random weights from the seed, created directly on ``device`` in the
-    workload's dtype: no CPU copy and no fp32 copy (an 8B model is 16 GB in bf16, 32 GB in fp32)."""
+    workload's dtype: no CPU copy and no fp32 copy (an 8B model is 15 GiB in bf16, 30 GiB in fp32)."""
     import torch
     import transformers
 
@@ -693,7 +694,7 @@ def summary(records: list[dict]) -> str:
         import report
 
         fits = report.longest_fitting(sweep)
-        lines.append("longest sequence within the measured peak (8 GB / 24 GB):")
+        lines.append("longest sequence within the measured peak (" + " / ".join(f"{g} GiB" for g in report.MEMORY_LIMITS_GIB) + "):")
         for method, limits in fits.items():
             lines.append(f"  {method:<19} " + " / ".join(report.fit_text(f) for f in limits.values()))
     return "\n".join(lines)
@@ -714,7 +715,7 @@ def _line(r: dict) -> str:
     head = f"{r['workload']:>13} {r['batch']}x{r['seq']:<5} {r['method']:<19} {r['status']:<8}"
     if r["status"] != "ok":
         return f"{head} {r.get('error') or ''}"[:400]
-    peak = f"{r['peak_memory_bytes'] / 1e9:.2f} GB" if r.get("peak_memory_bytes") else "-"
+    peak = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_memory_bytes") else "-"
     mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
     warm = r.get("first_step_warm_s")
     first = f"first {r['first_step_s']:.1f} s" + (f" / warm {warm:.1f} s" if warm is not None else "")

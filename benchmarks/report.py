@@ -5,9 +5,12 @@
 Writes ``README.md`` in ``--out-dir`` with, for every run: where and how it ran, one table per
 workload (every method, failures included, with its losses and their parity against eager PEFT, and
 the end of a failed worker's output), loracc against the best peer, and, when the run has a sequence
-sweep, peak memory against sequence length and the longest sequence that fits in 8 GB and 24 GB
+sweep, peak memory against sequence length and the longest sequence that fits in 8 GiB and 24 GiB
 (measured, and estimated between and beyond the measured lengths). Plots (SVG) need matplotlib;
 without it the report says so and has tables only.
+
+Memory is printed and plotted in GiB (2^30 bytes), as in ../shared/ANCHORS.md and the targets in the
+issues; the JSON keeps bytes.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ REFERENCE = "peft-eager"
 TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-4}
 # The loss must fall by about as much as eager PEFT's: a method with wrong gradients learns otherwise.
 DROP_TOLERANCE = 0.25
-MEMORY_LIMITS_GB = (8, 24)
+GIB = 2**30  # every memory figure printed or plotted is peak_memory_bytes / GIB, labelled GiB
+MEMORY_LIMITS_GIB = (8, 24)
 
 
 def load(path: Path) -> dict:
@@ -70,7 +74,7 @@ def workload_table(rows: list[dict]) -> list[str]:
     reference = next((r for r in rows if r["method"] == REFERENCE), None)
     ref_rate = reference.get("tokens_per_s") if reference else None
     lines = [
-        "| method | status | step ms | tokens/s | vs eager | peak GB | MFU | first step s (cold / warm) | losses (first, second, last) | parity |",
+        "| method | status | step ms | tokens/s | vs eager | peak GiB | MFU | first step s (cold / warm) | losses (first, second, last) | parity |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -83,7 +87,7 @@ def workload_table(rows: list[dict]) -> list[str]:
         shown = ", ".join(f"{x:.4f}" for x in (losses[:2] + losses[-1:] if len(losses) > 2 else losses))
         lines.append(
             f"| {r['method']} | {status} | {_num(r.get('step_ms'), '.1f')} | {_num(rate, ',.0f')} | {speedup} | "
-            f"{_num(r.get('peak_memory_bytes'), '.2f', 1e-9)} | {_num(r.get('mfu'), '.1%')} | {first if ok else '—'} | "
+            f"{_num(r.get('peak_memory_bytes'), '.2f', 1 / GIB)} | {_num(r.get('mfu'), '.1%')} | {first if ok else '—'} | "
             f"{shown or '—'} | {_cell(parity(r, reference))} |"
         )
     return lines
@@ -136,13 +140,13 @@ def loracc_summary(rows: list[dict]) -> str | None:
     if any(r in with_peak for r in mine) and any(r in with_peak for r in peers):
         low_mine = min((r for r in mine if r in with_peak), key=lambda r: r["peak_memory_bytes"])
         low_peer = min((r for r in peers if r in with_peak), key=lambda r: r["peak_memory_bytes"])
-        text += (f"; lowest peak {low_mine['peak_memory_bytes'] / 1e9:.2f} GB ({low_mine['method']}) vs "
-                 f"{low_peer['peak_memory_bytes'] / 1e9:.2f} GB ({low_peer['method']}).")
+        text += (f"; lowest peak {low_mine['peak_memory_bytes'] / GIB:.2f} GiB ({low_mine['method']}) vs "
+                 f"{low_peer['peak_memory_bytes'] / GIB:.2f} GiB ({low_peer['method']}).")
     return text
 
 
-def longest_fitting(records: list[dict], limits_gb=MEMORY_LIMITS_GB) -> dict[str, dict[int, dict]]:
-    """Per method of a sweep and per limit in GB: ``seq``, the longest length whose measured peak is
+def longest_fitting(records: list[dict], limits_gib=MEMORY_LIMITS_GIB) -> dict[str, dict[int, dict]]:
+    """Per method of a sweep and per limit in GiB (2^30 bytes): ``seq``, the longest length whose measured peak is
     within the limit (a length that failed ends the count, and so does a longer one after it); ``all``,
     whether every length tried fitted (the true answer is then longer); ``estimate``, the length at
     which the peak reaches the limit, taking the peak as linear in the length between the measured
@@ -160,9 +164,9 @@ def longest_fitting(records: list[dict], limits_gb=MEMORY_LIMITS_GB) -> dict[str
                 failed_at = r["seq"]
                 break
             if r.get("peak_memory_bytes") is not None:
-                points.append((r["seq"], r["peak_memory_bytes"] / 1e9))
+                points.append((r["seq"], r["peak_memory_bytes"] / GIB))
         result[method] = {}
-        for limit in limits_gb:
+        for limit in limits_gib:
             seq = None
             for s, peak in points:  # up to the first length over the limit
                 if peak > limit:
@@ -210,7 +214,7 @@ def sweep_section(records: list[dict]) -> list[str]:
     methods = list(dict.fromkeys(r["method"] for r in sweep))
     cells = {(r["method"], r["seq"]): r for r in sweep}
     lines = ["### Peak memory against sequence length", "",
-             f"{sweep[0]['workload']}, batch {sweep[0]['batch']}; each cell: peak GB (tokens/s). One process per "
+             f"{sweep[0]['workload']}, batch {sweep[0]['batch']}; each cell: peak GiB (tokens/s). One process per "
              "method runs the lengths shortest first, the peak reset between lengths; after a length that "
              "failed, the longer ones are not run.", "",
              "| method | " + " | ".join(str(s) for s in seqs) + " |", "|---|" + "---|" * len(seqs)]
@@ -225,7 +229,7 @@ def sweep_section(records: list[dict]) -> list[str]:
             elif r["status"] != "ok":
                 row.append(f"**{r['status']}**")
             else:
-                row.append(f"{_num(r.get('peak_memory_bytes'), '.2f', 1e-9)} ({_num(r.get('tokens_per_s'), ',.0f')})")
+                row.append(f"{_num(r.get('peak_memory_bytes'), '.2f', 1 / GIB)} ({_num(r.get('tokens_per_s'), ',.0f')})")
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     notes = []
     for m in methods:
@@ -239,10 +243,10 @@ def sweep_section(records: list[dict]) -> list[str]:
     lines += ["Longest sequence that fits: the longest length whose measured peak is within the limit; "
               "(≈ n): where the peak, taken as linear in the length between and beyond the measured lengths, "
               "reaches the limit.", "",
-              "| method | " + " | ".join(f"≤ {g} GB" for g in MEMORY_LIMITS_GB) + " |",
-              "|---|" + "---|" * len(MEMORY_LIMITS_GB)]
+              "| method | " + " | ".join(f"≤ {g} GiB" for g in MEMORY_LIMITS_GIB) + " |",
+              "|---|" + "---|" * len(MEMORY_LIMITS_GIB)]
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(fit_text(fits[m][g]) for g in MEMORY_LIMITS_GB) + " |")
+        lines.append(f"| {m} | " + " | ".join(fit_text(fits[m][g]) for g in MEMORY_LIMITS_GIB) + " |")
     return lines + [""] + failure_outputs(sweep)
 
 
@@ -258,10 +262,10 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
 
     files = []
     groups = _group(records, "main")
-    for key, title in (("tokens_per_s", "tokens/s"), ("peak_memory_bytes", "peak memory (GB)")) if groups else ():
+    for key, title in (("tokens_per_s", "tokens/s"), ("peak_memory_bytes", "peak memory (GiB)")) if groups else ():
         fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(5.5 * max(len(groups), 1), 3.8), squeeze=False)
         for ax, ((workload, batch, seq), rows) in zip(axes[0], groups.items()):
-            scale = 1e-9 if key == "peak_memory_bytes" else 1.0
+            scale = 1 / GIB if key == "peak_memory_bytes" else 1.0
             ax.barh([r["method"] for r in rows], [(r.get(key) or 0) * scale for r in rows],
                     color=["tab:orange" if r["method"].startswith("loracc") else "tab:blue" for r in rows])
             for i, r in enumerate(rows):
@@ -279,26 +283,26 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
     sweep = [r for r in everything if r["status"] == "ok" and r.get("peak_memory_bytes")]
     if sweep:
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        top = max(max(r["peak_memory_bytes"] / 1e9 for r in sweep), max(MEMORY_LIMITS_GB)) * 1.08
+        top = max(max(r["peak_memory_bytes"] / GIB for r in sweep), max(MEMORY_LIMITS_GIB)) * 1.08
         for method in dict.fromkeys(r["method"] for r in everything):
             rows = sorted((r for r in sweep if r["method"] == method), key=lambda r: r["seq"])
-            line, = ax.plot([r["seq"] for r in rows], [r["peak_memory_bytes"] / 1e9 for r in rows], marker="o",
+            line, = ax.plot([r["seq"] for r in rows], [r["peak_memory_bytes"] / GIB for r in rows], marker="o",
                             label=method)
             # A length that failed (out of memory, refused, timed out) stays visible: an x at the top.
             failed = [r["seq"] for r in everything if r["method"] == method and r["status"] not in ("ok", "skipped")]
             if failed:
                 ax.plot(failed, [top] * len(failed), marker="x", linestyle="none", color=line.get_color(),
                         markersize=9, clip_on=False)
-        for limit in MEMORY_LIMITS_GB:
+        for limit in MEMORY_LIMITS_GIB:
             ax.axhline(limit, color="grey", linestyle=":", linewidth=1)
-            ax.text(0.99, limit, f"{limit} GB", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
+            ax.text(0.99, limit, f"{limit} GiB", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
                     color="grey", fontsize=8)
         ax.set_ylim(0, top * 1.02)
         ax.set_xscale("log", base=2)
         seqs = sorted({r["seq"] for r in everything})
         ax.set_xticks(seqs, [str(s) for s in seqs])
         ax.set_xlabel("sequence length (batch 1)")
-        ax.set_ylabel("peak memory (GB)")
+        ax.set_ylabel("peak memory (GiB)")
         ax.set_title(f"{sweep[0]['workload']}: peak memory against sequence length (x: failed)")
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -273,7 +273,7 @@ def test_parity_flags_wrong_losses_and_missing_learning():
 
 def test_longest_fitting_measures_and_estimates():
     def sweep(method, points, fail=None):
-        rows = [_record(method, [1.0], peak=p * 1e9, seq=s, suite="sweep") for s, p in points]
+        rows = [_record(method, [1.0], peak=p * 2**30, seq=s, suite="sweep") for s, p in points]  # p in GiB
         return rows + ([_record(method, seq=fail, status="oom", suite="sweep")] if fail else [])
 
     rows = sweep("m", [(512, 3), (1024, 7), (2048, 20)], fail=4096) + sweep("m", [(8192, 23)])  # after the oom
@@ -304,9 +304,9 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
         _record("unsloth", status="timeout", error="timed out at unsloth import after 180 s (its limit of 180 s)",
                 output_tail="bench stage: 0.1 unsloth import", stack_dump="Thread 0x1 (most recent call first):\n  File \"x.py\", line 3 in wait"),
         _record("other", status="error", error="ImportError: no module named | unsloth_zoo"),
-        _record("peft-eager", [12.0], seq=512, peak=3e9, suite="sweep"),
-        _record("peft-eager", [12.0], seq=1024, peak=9e9, suite="sweep"),
-        _record("loracc", [12.0], seq=512, peak=2e9, suite="sweep"),
+        _record("peft-eager", [12.0], seq=512, peak=3 * 2**30, suite="sweep"),
+        _record("peft-eager", [12.0], seq=1024, peak=9 * 2**30, suite="sweep"),
+        _record("loracc", [12.0], seq=512, peak=2 * 2**30, suite="sweep"),
         _record("loracc", seq=1024, status="oom", suite="sweep", error="CUDA out of memory", output_tail="OOM here"),
     ]
     run = dict(date="2026-01-01T00:00:00+00:00", device="GPU X", command="python benchmarks/bench.py --quick",
@@ -321,13 +321,29 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
     assert "Its stack when its time ran out:" in readme and "line 3 in wait" in readme
     assert "| 1.0 / 0.5 |" in readme and "| 1.0 (caches of loracc) |" in readme  # cold / warm; shared caches
     assert "loracc is slower than the fastest peer in this run (peft-compile): 1,500 vs 2,000 tokens/s (0.75×)" in readme
-    assert "| peft-eager | 3.00 (1,000) | 9.00 (1,000) |" in readme  # peak GB (tokens/s) per length
+    assert "| peft-eager | 3.00 (1,000) | 9.00 (1,000) |" in readme  # peak GiB (tokens/s) per length
     assert "| loracc | 2.00 (1,000) | **oom** |" in readme and "<summary>loracc, seq 1024: oom" in readme
-    assert "| peft-eager | 512 (≈896) | ≥ 1024 (all tried) (≈2,304) |" in readme  # longest within 8 GB, 24 GB
+    assert "| peft-eager | 512 (≈896) | ≥ 1024 (all tried) (≈2,304) |" in readme  # longest within 8 GiB, 24 GiB
     assert "| loracc | 512 | 512 |" in readme  # one point: no estimate; the oom ends it
     assert "GPU X, 2026-01-01" in readme and "python benchmarks/bench.py --quick" in readme
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench-x-sweep.svg").exists() and "![bench-x-sweep.svg](bench-x-sweep.svg)" in readme
+
+
+def test_memory_is_printed_in_gib():
+    """Peaks print as bytes / 2^30 labelled GiB (as ANCHORS.md and the issues count them), never as GB."""
+    eager = _record("peft-eager", [12.0, 11.5, 11.0], peak=36_029_935_104)  # ANCHORS.md: eager PEFT, 33.6
+    mine = _record("loracc", [12.0, 11.5, 11.0], tokens=2000, peak=12 * 2**30)
+    table = "\n".join(report.workload_table([eager, mine]))
+    assert "| peak GiB |" in table and "| 33.56 |" in table and "| 12.00 |" in table and " GB" not in table
+    assert report.loracc_summary([eager, mine]).endswith("lowest peak 12.00 GiB (loracc) vs 33.56 GiB (peft-eager).")
+    assert "peak 33.56 GiB" in bench._line(eager)
+    sweep = [_record(m, [1.0], peak=p * 2**30, seq=s, suite="sweep") for m, s, p in
+             [("a", 512, 7.9), ("a", 1024, 8.1), ("b", 512, 4.0)]]
+    assert {m: f[8]["seq"] for m, f in report.longest_fitting(sweep).items()} == {"a": 512, "b": 512}
+    lines = report.sweep_section(sweep)
+    assert "| method | ≤ 8 GiB | ≤ 24 GiB |" in lines and "| a | 7.90 (1,000) | 8.10 (1,000) |" in lines
+    assert "longest sequence within the measured peak (8 GiB / 24 GiB):" in bench.summary(sweep)
 
 
 def test_report_rejects_foreign_json(tmp_path):
