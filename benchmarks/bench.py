@@ -101,12 +101,13 @@ METHODS = {
     "peft-compile-budget": "PEFT + torch.compile of the whole model, activation_memory_budget 0.1",
     "unsloth": "Unsloth FastLanguageModel, bf16 LoRA, its default 'unsloth' checkpointing",
     "unsloth-nocompile": "the same with UNSLOTH_COMPILE_DISABLE=1: its Triton kernels, no torch.compile of its layers",
-    "loracc": "loracc.compile, default plan",
+    "loracc": "loracc.compile, defaults (memory_budget=None, cuda_graphs='auto')",
+    "loracc-nographs": "loracc.compile, default plan with cuda_graphs=False (every graph run from Python)",
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
     "loracc-8gb": "loracc.compile with memory_budget='8GB' (8e9 bytes = 7.45 GiB; a limit on the whole step's peak)",
     "loracc-graphs": "loracc.compile with cuda_graphs=True (each compiled graph replayed as a CUDA graph)",
 }
-LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None}  # loracc-budget: --loracc-budget
+LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None, "loracc-nographs": None}  # loracc-budget: --loracc-budget
 NEEDS_CUDA = {"peft-liger", "unsloth", "unsloth-nocompile"}
 FULL_WORKLOADS = ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b"]
 FULL_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth", "peft-compile",
@@ -119,7 +120,7 @@ QUICK_PLAN = [("llama-3.2-1b", ["peft-eager", "peft-liger", "loracc", "loracc-bu
 QUICK_DEADLINE_S = 285
 TINY_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
 # Methods whose first step compiles; for them a second process can measure the first step warm.
-COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "loracc-8gb", "loracc-graphs",
+COMPILING = {"peft-compile", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-budget", "loracc-8gb", "loracc-graphs", "loracc-nographs",
              "peft-liger", "unsloth", "unsloth-nocompile"}
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_WORKLOAD, SWEEP_SEQS = "llama-3.2-1b", [512, 1024, 2048, 4096, 8192]
@@ -297,7 +298,8 @@ def run_worker(args, progress=None, ready: float | None = None, imported: float 
             import loracc
             budget = loracc_budget(args.method, args.loracc_budget)
             progress("loracc compile")
-            loracc.compile(peft_model, memory_budget=budget, cuda_graphs=args.method == "loracc-graphs")
+            graphs = {"loracc-graphs": True, "loracc-nographs": False}.get(args.method, "auto")
+            loracc.compile(peft_model, memory_budget=budget, cuda_graphs=graphs)
         # import_s: the early imports (while the previous worker ran); setup_s: from its turn to the
         # model built (and compiled, for loracc), CUDA initialisation included.
         base.update(import_s=(imported or ready) - START, setup_s=time.perf_counter() - ready)
@@ -367,10 +369,12 @@ def _loracc_notes(peft_model, budget) -> str:
 
     explained = loracc.explain(peft_model)
     fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
+    graphs = [f"{r.name} {d}" for r in explained.regions for d in r.cuda_graphs]
     return (f"memory_budget={budget!r}, backend {explained.backend}, "
             f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
             f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "
-            f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}")
+            f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}"
+            + (f"; CUDA graphs: {'; '.join(graphs)}" if graphs else ""))
 
 
 def make_optimizer(method: str, params, device):

@@ -11,7 +11,8 @@ output once) / its time, against the device-to-device copy bandwidth measured in
 (``y.copy_(x)``, 1 GiB, read + write).
 
 Part 2 (steps): each variant in its own process: eager PEFT, loracc without the fusion pass (its
-groups left as ATen ops), loracc, loracc with ``cuda_graphs=True`` (``--variant`` picks); median
+groups left as ATen ops), loracc without CUDA graphs, loracc (its default, ``cuda_graphs="auto"``),
+loracc with ``cuda_graphs=True`` (``--variant`` picks); median
 step time over ``--steps`` steps after warm-up, peak memory.
 """
 from __future__ import annotations
@@ -127,7 +128,8 @@ def step(workload: str, variant: str, steps: int) -> dict:
     method = "peft-eager" if variant == "peft-eager" else "loracc"
     model, peft_model, _ = bench.build_model(workload, method, "cuda")
     if variant.startswith("loracc"):
-        loracc.compile(peft_model, backend="triton", cuda_graphs=variant == "loracc-graphs")
+        graphs = {"loracc-graphs": True, "loracc": "auto"}.get(variant, False)
+        loracc.compile(peft_model, backend="triton", cuda_graphs=graphs)
     spec = bench.WORKLOADS[workload]
     ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]),
                         generator=torch.Generator().manual_seed(1)).cuda()
@@ -150,9 +152,10 @@ def step(workload: str, variant: str, steps: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     ms = _median_ms(one, steps)
     tokens = spec["batch"] * spec["seq"]
+    peak = torch.cuda.max_memory_allocated()
+    graphs = [f"{r.name}: {d}" for r in loracc.explain(peft_model).regions for d in r.cuda_graphs] if variant.startswith("loracc") else []
     return dict(workload=workload, variant=variant, step_ms=ms, tokens_per_s=tokens / ms * 1e3,
-                peak_memory_bytes=torch.cuda.max_memory_allocated(), first_step_s=first,
-                losses=[float(x) for x in losses[:4]])
+                peak_memory_bytes=peak, first_step_s=first, losses=[float(x) for x in losses[:4]], cuda_graphs=graphs)
 
 
 def main() -> None:
@@ -160,7 +163,7 @@ def main() -> None:
     parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS))
     parser.add_argument("--part", choices=["kernels", "steps", "all"], default="all")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--variant", action="append", choices=["peft-eager", "loracc-nofusion", "loracc", "loracc-graphs"])
+    parser.add_argument("--variant", action="append", choices=["peft-eager", "loracc-nofusion", "loracc-nographs", "loracc", "loracc-graphs"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
