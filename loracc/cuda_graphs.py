@@ -11,8 +11,8 @@ returned as the caller's own tensor, not copied.
 Costs, against the Python and launch overhead it removes: the copies of the inputs and outputs
 (for a block layer, its weights and what its forward saves), and memory: the static inputs and
 outputs of each graph, and the workspace of one call. Every graph of a model captures into one
-shared memory pool, so the workspaces of different graphs overlap (they never run at once: one
-stream, and each graph's temporaries are dead when it returns).
+shared memory pool (``SharedPool``), so the workspaces of different graphs overlap (they never run
+at once: one stream, and each graph's temporaries are dead when it returns).
 
 ``Replayer`` decides per graph, at its second call (the first compiles and autotunes):
 
@@ -34,6 +34,18 @@ import torch
 log = logging.getLogger("loracc")
 
 KEEP_BELOW = 0.8  # mode "auto": a graph stays when a replay takes at most this fraction of a Python call
+
+
+class SharedPool:
+    """The memory pool the graphs of one model capture into. PyTorch frees a pool with the last
+    graph that uses it, and a freed pool's handle must not be captured into again: so the handle is
+    taken from a graph still alive, and a new pool is started when there is none."""
+
+    def __init__(self):
+        self.graphs: list[torch.cuda.CUDAGraph] = []  # the graphs kept (never dropped)
+
+    def handle(self):
+        return self.graphs[0].pool() if self.graphs else torch.cuda.graph_pool_handle()
 
 
 class Graphed:
@@ -69,10 +81,11 @@ class Replayer:
     says so (see the module's docstring). A capture that fails leaves it in Python, with the reason
     logged. ``decision`` says what was decided and why (None before the second call)."""
 
-    def __init__(self, fn, name: str, mode: str = "on", pool=None, after: "Replayer | None" = None):
+    def __init__(self, fn, name: str, mode: str = "on", pool: SharedPool | None = None, after: "Replayer | None" = None):
         if mode not in ("on", "auto"):
             raise ValueError(f"Replayer mode must be 'on' or 'auto', got {mode!r}")
-        self.fn, self.name, self.mode, self.pool, self.after = fn, name, mode, pool, after
+        self.fn, self.name, self.mode, self.after = fn, name, mode, after
+        self.pool = pool if pool is not None else SharedPool()
         self.calls = 0
         self.graphed: Graphed | None = None
         self.failed: str | None = None
@@ -96,25 +109,30 @@ class Replayer:
         if self.mode == "auto":
             python_s, outputs = _timed(lambda: self.fn(*inputs))
         try:
-            graphed = Graphed(self.fn, list(inputs), self.pool)
+            graphed = Graphed(self.fn, list(inputs), self.pool.handle())
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
             self.failed = f"{type(exc).__name__}: {exc}"
             self.decision = f"runs from Python: the capture failed ({self.failed})"
-            log.warning("loracc: %s runs without a CUDA graph: %s", self.name, self.failed)
+            # cuda_graphs=True asked for a graph: say so; "auto" only tried one (explain() says why not)
+            (log.warning if self.mode == "on" else log.info)("loracc: %s runs without a CUDA graph: %s", self.name, self.failed)
             torch.cuda.synchronize()
             return self.fn(*inputs) if outputs is None else outputs
         if self.mode == "on":
-            self.graphed, self.decision = graphed, "CUDA graph (cuda_graphs=True)"
+            self._keep(graphed, "CUDA graph (cuda_graphs=True)")
             log.info("captured %s as a CUDA graph", self.name)
             return graphed(*inputs)
         replay_s = min(_timed(lambda: graphed(*inputs))[0] for _ in range(3))
         timing = f"replay {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms from Python"
         if replay_s <= KEEP_BELOW * python_s:
-            self.graphed, self.decision = graphed, f"CUDA graph ({timing})"
+            self._keep(graphed, f"CUDA graph ({timing})")
         else:
             self.decision = f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)"
         log.info("%s: %s", self.name, self.decision)
         return outputs
+
+    def _keep(self, graphed: Graphed, decision: str) -> None:
+        self.graphed, self.decision = graphed, decision
+        self.pool.graphs.append(graphed.graph)
 
 
 def _timed(fn):

@@ -15,7 +15,7 @@ import torch.fx as fx
 from ..errors import LoraccError
 from ..graph import copy_graph, info
 from ..cross_entropy import LINEAR_CROSS_ENTROPY
-from ..cuda_graphs import Replayer
+from ..cuda_graphs import Replayer, SharedPool
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..passes.fusion import FusedRows
 from . import cross_entropy, fused_rows, lora_linear
@@ -53,7 +53,7 @@ class TritonBackend:
         if mode not in ("on", "off", "auto"):
             raise LoraccError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
         self.cuda_graphs = mode if device.type == "cuda" else "off"
-        self._pool = None  # one memory pool for every graph of the model (made at the first capture)
+        self._pool = SharedPool()  # one memory pool for every graph of the model
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
@@ -99,7 +99,5 @@ class TritonBackend:
         gm.recompile()
         if self.cuda_graphs == "off":
             return gm
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
                         after=after if isinstance(after, Replayer) else None)
