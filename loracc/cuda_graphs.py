@@ -14,7 +14,8 @@ outputs of each graph, and the workspace of one call. Every graph of a model cap
 shared memory pool (``SharedPool``), so the workspaces of different graphs overlap (they never run
 at once: one stream, and each graph's temporaries are dead when it returns).
 
-``Replayer`` decides per graph, at its second call (the first compiles and autotunes):
+``Replayer`` decides per graph, at its second call (the first compiles and autotunes); the Triton
+backend gives one to each graph of a repeated block (and with ``cuda_graphs=True`` to every graph):
 
 - ``mode="on"``: capture and replay from then on;
 - ``mode="auto"``: time that call run from Python (kernel launches included, synchronized), capture,

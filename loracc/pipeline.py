@@ -76,11 +76,11 @@ def compile_call(
     reports["memory_plan"] = memory
 
     out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
-    forward = backend.compile(parts.forward, "forward")
+    forward = backend.compile(parts.forward, "forward", repeats=repeats)
     return Program(
         captured=captured,
         forward=forward,
-        backward=backend.compile(parts.backward, "backward", after=forward),
+        backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats),
         n_inputs=len(inputs),
         n_outputs=n_outputs,
         differentiable=[v.is_floating_point() for v in out_vals],

@@ -1,9 +1,9 @@
 """Codegen: turn an optimized fx graph into something that runs.
 
-A backend has a ``name`` and ``compile(gm, stage, after=None) -> callable``: it receives the forward
-or the backward graph of a region after every pass (for a backward, ``after`` is what it returned
-for the forward) and returns the function the runtime calls with the graph's inputs, which must
-return the graph's outputs as a list.
+A backend has a ``name`` and ``compile(gm, stage, after=None, repeats=1) -> callable``: it receives
+the forward or the backward graph of a region after every pass (for a backward, ``after`` is what it
+returned for the forward; ``repeats``: how many times a step runs it) and returns the function the
+runtime calls with the graph's inputs, which must return the graph's outputs as a list.
 
 - ``eager``: runs the graph's ATen ops (and the reference implementations of loracc's ops) as they
   are; works on every device, and is the CPU path.
@@ -29,7 +29,7 @@ class EagerBackend:
     def __init__(self, device: torch.device):
         pass
 
-    def compile(self, gm: fx.GraphModule, stage: str, after=None):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
         return gm
 
 

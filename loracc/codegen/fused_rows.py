@@ -348,6 +348,9 @@ class RowKernel:
         if wide_offsets is None:
             wide_offsets = max(map(_span, [*self.input_vals, *self.output_vals]), default=0) >= 2**31
         self.wide_offsets = wide_offsets
+        # A call whose tensors have the recorded strides reaches as far as the recorded layout: only
+        # tensors with other strides need their span checked (the check costs more than the launch).
+        self._recorded_strides = [v.stride() if isinstance(v, torch.Tensor) else None for v in self.input_vals]
         index_lines = []
         for d, size in enumerate(rows):
             inner = math.prod(rows[d + 1:])
@@ -377,6 +380,10 @@ class RowKernel:
         )
         self.dtypes = dtypes
 
+    def _reaches_past_int32(self, inputs, out) -> bool:
+        others = [t for t, s in zip(inputs, self._recorded_strides) if s is not None and t.stride() != s]
+        return max(map(_span, others + list(out or [])), default=0) >= 2**31
+
     def _name(self, rows) -> str:
         ops = []
         for op in self.group.ops:
@@ -401,7 +408,7 @@ class RowKernel:
         outputs = out if out is not None else [
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device) for v in self.output_vals
         ]
-        if not self.wide_offsets and max(map(_span, [*inputs, *outputs]), default=0) >= 2**31:
+        if not self.wide_offsets and self._reaches_past_int32(inputs, out):
             return self._wide(*inputs, out=outputs)
         operands = {"in": inputs, "out": outputs}
         strides = [operands[kind][index].stride(dim) for kind, index, dim in self.stride_of]

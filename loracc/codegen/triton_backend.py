@@ -55,9 +55,9 @@ class TritonBackend:
         self.cuda_graphs = mode if device.type == "cuda" else "off"
         self._pool = SharedPool()  # one memory pool for every graph of the model
 
-    def compile(self, gm: fx.GraphModule, stage: str, after=None):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
-        ``gm`` is its backward."""
+        ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers)."""
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
         for node in gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
@@ -97,7 +97,9 @@ class TritonBackend:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
         gm.recompile()
-        if self.cuda_graphs == "off":
+        # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
+        # save, and its trial capture would come at the step's memory peak, weights copied.
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):
             return gm
         return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
                         after=after if isinstance(after, Replayer) else None)
