@@ -112,7 +112,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             fallbacks=list(region.fallbacks),
             fused_groups=sum(r.get("groups", 0) for r in program.reports.get("fusion", {}).values()) if program else 0,
             loss=_loss(program) if program and region.kind == "head" else None,
-            cuda_graphs=_graph_decisions(program) if program else [],
+            cuda_graphs=_graph_decisions(region),
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
@@ -126,12 +126,18 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     )
 
 
-def _graph_decisions(program) -> list[str]:
+def _graph_decisions(region) -> list[str]:
+    """Per compiled graph of the region (every program: a first layer whose input needs no gradient
+    has its own), whether it replays as a CUDA graph and why."""
+    programs = [p for p in region.programs.values() if p is not None]
     decisions = []
-    for stage in ("forward", "backward"):
-        fn = getattr(program, stage)
-        if isinstance(fn, Replayer):
-            decisions.append(f"{stage}: {fn.decision or 'decides on its second call whether to replay as a CUDA graph'}")
+    for i, program in enumerate(programs):
+        label = f"call signature {i + 1} of {len(programs)}, " if len(programs) > 1 else ""
+        for stage in ("forward", "backward"):
+            fn = getattr(program, stage)
+            if isinstance(fn, Replayer):
+                decision = fn.decision or "decides on its second call whether to replay as a CUDA graph"
+                decisions.append(f"{label}{stage}: {decision}")
     return decisions
 
 
