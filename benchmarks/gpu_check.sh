@@ -30,7 +30,8 @@ for part in "${@:-tests}"; do
         for f in tests/test_cuda_graphs.py tests/test_codegen_fused_rows.py tests/test_codegen_cross_entropy.py \
                  tests/test_optim.py tests/test_fp16.py; do
             echo "== $f"
-            timeout 300 python -m pytest -q -p no:logging "$f" 2>&1 | tail -6
+            # --show-capture=no: a failure's report without torch's DEBUG trace logs (caplog still works)
+            timeout 300 python -m pytest -q --tb=short --show-capture=no "$f" 2>&1 | tail -25
         done | tee "$OUT/pytest.txt" ;;
     steps)
         timeout 420 python benchmarks/fused_rows.py --part steps --workload qwen2-0.5b --workload llama-3.2-1b \
