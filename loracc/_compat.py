@@ -16,12 +16,13 @@ tree_flatten = pytree.tree_flatten
 tree_unflatten = pytree.tree_unflatten
 
 
-def trace(fn, example_inputs):
+def trace(fn, example_inputs, decompositions: dict | None = None):
     """ATen-level fx graph of ``fn(*example_inputs)``, traced on fake tensors (nothing computed).
 
     Node metadata set while tracing (``set_current_source``) is kept on the nodes.
+    ``decompositions``: ATen op → a function of the op's arguments traced in its place.
     """
-    traced = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=False)
+    traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
     with _preserve_meta():
         return traced(*example_inputs)
 

@@ -6,7 +6,8 @@ with that layer's weights), everything else the call depends on (shapes, flags, 
 specialised and becomes part of the guard key. ``derive_joint`` differentiates the forward graph,
 after the forward passes ran, with respect to the inputs that need gradients: since ``lora_match``
 replaced each LoRA layer by ``loracc::lora_linear`` before this, the backward of every matched layer
-is loracc's own backward op by construction.
+is loracc's own backward op by construction; LayerNorm is differentiated as its row ops (see
+``JOINT_DECOMPOSITIONS``), so that the fusion pass can fuse its backward too.
 """
 from __future__ import annotations
 
@@ -155,17 +156,48 @@ class _SourceTracker:
             _compat.set_current_source(self.stack[-1] if self.stack else None)
 
 
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``aten.native_layer_norm`` as the row ops it is made of (mean, centre, mean of squares,
+    rsqrt, scale, shift), computed in fp32 for 16-bit inputs and rounded once at the end as the
+    ATen kernel does; its backward is then autograd's of these ops. Both are chains the ``fusion``
+    pass makes one kernel each, and ``remat`` may recompute them from ``x`` instead of saving
+    statistics. Mean and rstd are returned as ATen returns them (fp32 on CUDA, the input dtype on
+    a CPU). Only a normalization over the last dim is rewritten."""
+    if len(normalized_shape) != 1:
+        return NotImplemented
+    xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    mean = xf.mean(-1, keepdim=True)
+    centred = xf - mean
+    rstd = torch.rsqrt((centred * centred).mean(-1, keepdim=True) + eps)
+    out = centred * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    if x.device.type == "cpu":
+        mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+    return out.to(x.dtype), mean, rstd
+
+
+# Ops the joint graph holds as their parts (see derive_joint).
+JOINT_DECOMPOSITIONS = {torch.ops.aten.native_layer_norm.default: _layer_norm}
+
+
 def derive_joint(fwd: fx.GraphModule, needs_grad: list[bool]) -> fx.GraphModule:
     """The joint graph ``(*inputs, *tangents) -> (*outputs, *input_grads)``.
 
     One tangent per floating-point output; one gradient output per input with ``needs_grad``
-    (``None`` where the input does not influence the outputs).
+    (``None`` where the input does not influence the outputs). Ops in ``JOINT_DECOMPOSITIONS``
+    (LayerNorm) appear as their parts, forward and backward.
     """
     inputs = placeholders(fwd)
     outs = output_node(fwd).args[0]
     out_vals = [o.meta["val"] for o in outs]
     differentiable = [v.is_floating_point() for v in out_vals]
     n_in = len(inputs)
+    if any(n.target in JOINT_DECOMPOSITIONS for n in fwd.graph.nodes):
+        # Rewritten before differentiating, so that autograd sees the parts, not the op's own backward.
+        fwd = _compat.trace(fx.Interpreter(fwd).run, [n.meta["val"] for n in inputs], decompositions=JOINT_DECOMPOSITIONS)
 
     def joint(*flat):
         primals = [p.detach().requires_grad_(True) if g else p for p, g in zip(flat[:n_in], needs_grad)]

@@ -1,6 +1,7 @@
 """The fusion pass: which nodes become one group, and that the graph computes the same values."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -143,3 +144,56 @@ def test_two_groups_reading_each_other_leave_one_unfused():
     gm, _ = _check_same(fn, [torch.randn(3, 40), torch.randn(2, 3, 40)])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     assert all(order[a] < order[n] for n in gm.graph.nodes for a in n.all_input_nodes)
+
+
+def _tiny_bert():
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=97, hidden_size=40, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=72, max_position_embeddings=64, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(config)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"],
+                                             modules_to_save=None))
+    for name, p in model.named_parameters():  # random adapters: B starts at zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    generator = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 97, (3, 21), generator=generator),
+             "labels": torch.randint(0, 3, (3,), generator=generator)}
+    return model, batch
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_layer_norm_is_fused_forward_and_backward_and_trains_like_eager(backend):
+    """BERT's LayerNorms reach the joint graph as their row ops (no native_layer_norm left), the
+    fusion pass makes groups of them in the forward and in the backward (run as their ops, or as
+    generated kernels, interpreted here), and the compiled step's loss and LoRA gradients equal
+    eager PEFT's (fp32, CPU; width 40: not a power of two)."""
+    import copy
+
+    import loracc
+
+    model, batch = _tiny_bert()
+    reference = copy.deepcopy(model)
+    compiled = loracc.compile(model, backend=backend)
+    loss = compiled(**batch).loss
+    loss.backward()
+    want = reference(**batch).loss
+    want.backward()
+    assert rel_err(loss.detach(), want.detach()) <= 1e-5
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    for name, p in compiled.named_parameters():
+        if p.requires_grad:
+            assert rel_err(p.grad, grads[name]) <= 1e-4, name
+    program = next(r.latest for r in compiled._loracc.regions if r.kind == "block")
+    joint_ops = {str(n.target) for n in program.stages["joint"].graph.nodes if n.op == "call_function"}
+    assert not any("native_layer_norm" in op for op in joint_ops)
+    for stage in ("forward", "backward"):
+        groups = [n.target for n in program.stages[stage].graph.nodes if isinstance(n.target, FusedRows)]
+        assert any({"rsqrt", "mean"} <= {op.split(".")[0] for op in g.ops} for g in groups), stage
+    if backend == "triton":
+        runs = [e["runs"] for e in compiled._loracc.backend.report if e["stage"] == "backward"]
+        assert any(r.startswith("generated kernel rows_") and "rsqrt" in r for r in runs)
