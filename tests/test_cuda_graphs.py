@@ -138,3 +138,99 @@ def test_replayer_runs_from_python_off_the_gpu_and_a_backward_follows_its_forwar
         assert backward.graphed is None and "as forward graph does" in backward.decision
     with pytest.raises(ValueError, match="mode"):
         Replayer(fn, "x", mode="sometimes")
+
+
+class _FakeGraphed:
+    """Stands in for a captured graph on a CPU: records its replays, returns the function's result."""
+
+    captured = []
+
+    def __init__(self, fn, inputs, pool=None):
+        if getattr(fn, "fails", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.fn, self.pool, self.replays = fn, pool, 0
+        self.graph = type("Graph", (), {"pool": lambda _self: ("pool of", id(self))})()
+        _FakeGraphed.captured.append(self)
+
+    def __call__(self, *inputs):
+        self.replays += 1
+        return self.fn(*inputs)
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """Replayer's decisions on a CPU: captures faked, each Python call timed at 1.0 s and each
+    replay at ``replay_s[name]`` (the decision compares the two)."""
+    from loracc import cuda_graphs
+
+    _FakeGraphed.captured = []
+    replay_s = {}
+    monkeypatch.setattr(cuda_graphs, "Graphed", _FakeGraphed)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("new pool",))
+
+    def timed(fn):
+        before = [g.replays for g in _FakeGraphed.captured]
+        result = fn()
+        replayed = [g for g, n in zip(_FakeGraphed.captured, before) if g.replays > n]
+        return (replay_s[replayed[0].fn.__name__] if replayed else 1.0), result
+
+    monkeypatch.setattr(cuda_graphs, "_timed", timed)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return replay_s
+
+
+def _named(name, fails=False):
+    def fn(*inputs):
+        return [inputs[0] + 1]
+
+    fn.__name__, fn.fails = name, fails
+    return fn
+
+
+def test_auto_keeps_a_graph_only_where_a_replay_is_clearly_faster(fake_capture):
+    from loracc.cuda_graphs import KEEP_BELOW, SharedPool
+
+    fake_capture.update(fast=0.5, slow=0.95, edge=KEEP_BELOW)
+    pool = SharedPool()
+    x = torch.randn(3)
+    fast = Replayer(_named("fast"), "fast forward", mode="auto", pool=pool)
+    slow = Replayer(_named("slow"), "slow forward", mode="auto", pool=pool)
+    edge = Replayer(_named("edge"), "edge forward", mode="auto", pool=pool)
+    for replayer in (fast, slow, edge):
+        for _ in range(4):
+            assert torch.equal(replayer(x)[0], x + 1)  # the same result, whatever is decided
+    assert fast.graphed is not None and fast.decision.startswith("CUDA graph (replay 500.00 ms vs 1000.00 ms")
+    assert slow.graphed is None and "bound by the GPU" in slow.decision and not slow.may_graph
+    assert edge.graphed is not None  # at the threshold: kept
+    assert fast.graphed.replays == 3 + 2  # three timed replays, then the third and fourth calls
+    # the graphs kept share one pool: the second capture took its handle from the first graph
+    assert pool.graphs == [fast.graphed.graph, edge.graphed.graph]
+    assert _FakeGraphed.captured[0].pool == ("new pool",)
+    assert _FakeGraphed.captured[1].pool == ("pool of", id(_FakeGraphed.captured[0]))
+
+
+def test_auto_backward_follows_its_forward_and_a_failed_capture_stays_in_python(fake_capture, caplog):
+    import logging
+
+    fake_capture.update(fwd=0.9, bwd=0.1, broken=0.1)
+    x = torch.randn(3)
+    forward = Replayer(_named("fwd"), "forward graph", mode="auto")
+    backward = Replayer(_named("bwd"), "backward graph", mode="auto", after=forward)
+    for _ in range(2):
+        forward(x)
+    for _ in range(3):
+        backward(x)
+    assert forward.graphed is None and backward.graphed is None
+    assert backward.decision == "runs from Python, as forward graph does"
+    assert [g.fn.__name__ for g in _FakeGraphed.captured] == ["fwd"]  # the backward never captured
+
+    with caplog.at_level(logging.INFO, logger="loracc"):
+        auto = Replayer(_named("broken", fails=True), "broken graph", mode="auto")
+        on = Replayer(_named("broken", fails=True), "broken graph", mode="on")
+        for replayer in (auto, on):
+            for _ in range(3):
+                assert torch.equal(replayer(x)[0], x + 1)
+    assert auto.graphed is None and "the capture failed (RuntimeError" in auto.decision
+    levels = {r.levelname for r in caplog.records if "runs without a CUDA graph" in r.getMessage()}
+    assert levels == {"INFO", "WARNING"}  # only cuda_graphs=True asked for a graph loudly
