@@ -19,10 +19,15 @@ import torch
 from torch import nn
 
 from .capture import call_signature, module_state, tensor_key
+from .cuda_graphs import Replayer
 from .errors import Unsupported
 from .pipeline import Program, compile_call
 
 RECOMPILE_WARNING_AT = 8
+# cuda_graphs="auto" tries graphs for a region's first call signatures only (a block's first layer,
+# whose input needs no gradient, has its own): every graph kept holds its static inputs and outputs,
+# so a graph per sequence length of dynamically padded batches would add up to an out-of-memory.
+AUTO_GRAPHED_SIGNATURES = 2
 # Progress (regions compiled, kernels autotuned or found in the cache) is logged at INFO level:
 # quiet by default; logging.basicConfig(level=logging.INFO) or loracc.verbose() shows it.
 log = logging.getLogger("loracc")
@@ -110,6 +115,9 @@ class Region:
                  program.reports.get("lora_match", {}).get("matched", 0))
         if self.programs:
             self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
+        if sum(p is not None for p in self.programs.values()) >= AUTO_GRAPHED_SIGNATURES:
+            _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
+                                          f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only")
         self.programs[key] = program
         self.captures += 1
         if len(self.programs) >= RECOMPILE_WARNING_AT and not self._warned_storm:
@@ -140,6 +148,13 @@ class Region:
     def latest(self) -> Program | None:
         programs = [p for p in self.programs.values() if p is not None]
         return programs[-1] if programs else None
+
+
+def _without_auto_graphs(program: Program, why: str) -> None:
+    for stage in ("forward", "backward"):
+        fn = getattr(program, stage)
+        if isinstance(fn, Replayer) and fn.mode == "auto":
+            fn.decision = why  # decided before its first call: it never captures
 
 
 def _describe_shapes(tensors) -> str:

@@ -234,3 +234,26 @@ def test_auto_backward_follows_its_forward_and_a_failed_capture_stays_in_python(
     assert auto.graphed is None and "the capture failed (RuntimeError" in auto.decision
     levels = {r.levelname for r in caplog.records if "runs without a CUDA graph" in r.getMessage()}
     assert levels == {"INFO", "WARNING"}  # only cuda_graphs=True asked for a graph loudly
+
+
+def test_auto_graphs_a_regions_first_call_signatures_only():
+    """A new sequence length compiles new programs; "auto" stops trying graphs after a region's
+    first two call signatures (each kept graph holds its inputs and outputs)."""
+    from loracc.runtime import AUTO_GRAPHED_SIGNATURES
+
+    model, batch = presets.preset("llama", layers=3, seq=12)
+    model = loracc.compile(model, backend="eager")
+    backend = model._loracc.backend
+    backend.compile = lambda gm, stage, after=None, repeats=1: Replayer(gm, f"{stage} graph", mode="auto", after=after)
+    for seq in (12, 9, 7):
+        model(**{k: v[:, :seq] for k, v in batch.items()}).loss.backward()
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    programs = [p for p in block.programs.values() if p is not None]
+    assert len(programs) > AUTO_GRAPHED_SIGNATURES
+    for i, program in enumerate(programs):
+        for fn in (program.forward, program.backward):
+            if i < AUTO_GRAPHED_SIGNATURES:
+                assert fn.decision is None  # on a CPU: never timed, still free to decide on a GPU
+            else:
+                assert "graphs the first 2 call signatures" in fn.decision and not fn.may_graph
+    assert "graphs the first 2 call signatures" in str(loracc.explain(model))
