@@ -18,9 +18,9 @@ at once: one stream, and each graph's temporaries are dead when it returns).
 backend gives one to each graph of a repeated block (and with ``cuda_graphs=True`` to every graph):
 
 - ``mode="on"``: capture and replay from then on;
-- ``mode="auto"``: time that call run from Python (kernel launches included, synchronized; best of
-  two), capture, time the replay (best of three), and keep the graph only if a replay takes at most
-  ``KEEP_BELOW`` of the Python call: a step bound by launching kernels (small hidden sizes) gains, a GPU-bound one
+- ``mode="auto"``: time that call run from Python (kernel launches included, synchronized), capture,
+  time the replay (best of three), and keep the graph only if a replay takes at most ``KEEP_BELOW``
+  of the Python call: a step bound by launching kernels (small hidden sizes) gains, a GPU-bound one
   would only pay the copies and the memory. A backward given ``after=`` its forward tries only if
   that forward kept its graph (so a GPU-bound model never captures its backward, where the step's
   memory peaks).
@@ -107,9 +107,8 @@ class Replayer:
             self.decision = f"runs from Python, as {self.after.name} does"
             return self.fn(*inputs)
         outputs = None
-        if self.mode == "auto":  # the faster of two calls from Python (one timing is noisy)
+        if self.mode == "auto":
             python_s, outputs = _timed(lambda: self.fn(*inputs))
-            python_s = min(python_s, _timed(lambda: self.fn(*inputs))[0])
         try:
             graphed = Graphed(self.fn, list(inputs), self.pool.handle())
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
