@@ -61,6 +61,15 @@ def assert_same(ours, theirs, opt_ours, opt_theirs, what):
             assert rel_err(s["exp_avg_sq"], t["exp_avg_sq"]) <= TOL, f"{what}: parameter {i}: exp_avg_sq"
 
 
+def step_twins(ours, theirs, opt_ours, opt_theirs, steps, first=0):
+    """``steps`` steps of both optimizers on the same random gradients, compared after each."""
+    for step in range(first, first + steps):
+        give_grads(ours, theirs)
+        opt_ours.step()
+        opt_theirs.step()
+        assert_same(ours, theirs, opt_ours, opt_theirs, f"step {step}")
+
+
 def plain_model():
     model, batch = presets.plain()
     return model.to(DEVICE), {k: v.to(DEVICE) for k, v in batch.items()}
@@ -88,11 +97,7 @@ def test_matches_torch_adamw_over_steps(kernel_path):
     ours, theirs = twin_params()
     before = [p.detach().clone() for p in ours]
     opt_ours, opt_theirs = FusedAdamW(groups(ours), lr=0.01), torch.optim.AdamW(groups(theirs), lr=0.01)
-    for step in range(5):
-        give_grads(ours, theirs)
-        opt_ours.step()
-        opt_theirs.step()
-        assert_same(ours, theirs, opt_ours, opt_theirs, f"step {step}")
+    step_twins(ours, theirs, opt_ours, opt_theirs, 5)
     assert all(rel_err(p, b) > 100 * TOL for p, b in zip(ours, before))  # every parameter moved
 
 
@@ -102,11 +107,7 @@ def test_torch_math_fallback_matches_and_says_so(monkeypatch, caplog):
     ours, theirs = twin_params()
     opt_ours, opt_theirs = FusedAdamW(groups(ours), lr=0.01), torch.optim.AdamW(groups(theirs), lr=0.01)
     with caplog.at_level(logging.INFO, logger="loracc"):
-        for step in range(3):
-            give_grads(ours, theirs)
-            opt_ours.step()
-            opt_theirs.step()
-            assert_same(ours, theirs, opt_ours, opt_theirs, f"step {step}")
+        step_twins(ours, theirs, opt_ours, opt_theirs, 3)
     said = [r.getMessage() for r in caplog.records if "no kernel in this test" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("FusedAdamW runs torch ops")
 
@@ -220,11 +221,7 @@ def test_state_dict_round_trip(kernel_path, source):
     assert [g["lr"] for g in opt_ours.param_groups] == [g["lr"] for g in opt_theirs.param_groups]
     assert all(inside(opt_ours.state[p]["exp_avg"], flat_of(opt_ours, i).exp_avg)
                for i, g in enumerate(opt_ours.param_groups) for p in g["params"])
-    for step in range(3):
-        give_grads(ours, theirs)
-        opt_ours.step()
-        opt_theirs.step()
-        assert_same(ours, theirs, opt_ours, opt_theirs, f"step {step + 3}")
+    step_twins(ours, theirs, opt_ours, opt_theirs, 3, first=3)
 
 
 def test_state_dict_loads_into_torch_adamw(kernel_path):
@@ -236,11 +233,7 @@ def test_state_dict_loads_into_torch_adamw(kernel_path):
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt_theirs = torch.optim.AdamW(groups(theirs), lr=0.01)
     opt_theirs.load_state_dict(copy.deepcopy(opt_ours.state_dict()))
-    for step in range(2):
-        give_grads(ours, theirs)
-        opt_ours.step()
-        opt_theirs.step()
-        assert_same(ours, theirs, opt_ours, opt_theirs, f"step {step + 3}")
+    step_twins(ours, theirs, opt_ours, opt_theirs, 2, first=3)
 
 
 def test_lr_scheduler(kernel_path):
