@@ -8,12 +8,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
-
 import loracc
 from loracc import cross_entropy
 
 from conftest import rel_err
+from test_trainer import Tokens, base
 
 TOL = 2e-2  # the project's tolerance for 16-bit arithmetic
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -21,12 +20,9 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 def peft_llama(compiled: bool, device: str = "cpu"):
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=101)
     # init_lora_weights=False: B is random too, so that A has a non-zero gradient from the first step.
-    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                                init_lora_weights=False)).to(device)
+    model = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                              init_lora_weights=False)).to(device)
     model.train()
     return loracc.compile(model) if compiled else model
 
@@ -136,7 +132,6 @@ def test_lora_layers_are_fused_under_autocast(dtype):
     "Trainer(fp16=True) needs a GPU for mixed precision: on the CPU, accelerate's Accelerator enables "
     "native AMP for fp16 only on a device other than cpu, so it trains in fp32 without autocast or a GradScaler"))
 def test_trainer_fp16_matches_eager(tmp_path):
-    from test_trainer import Tokens
     from transformers import Trainer, TrainingArguments
 
     def run(compiled):

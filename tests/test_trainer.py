@@ -26,15 +26,16 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def base():
+def base(**config):
+    """A 2-layer Llama with random weights (seed 0); ``config`` overrides LlamaConfig fields."""
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=101)
-    return LlamaForCausalLM(config)
+    defaults = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=101)
+    return LlamaForCausalLM(LlamaConfig(**{**defaults, **config}))
 
 
-def peft_llama(compiled):
-    model = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+def peft_llama(compiled, **config):
+    model = get_peft_model(base(**config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     return loracc.compile(model) if compiled else model
 
 

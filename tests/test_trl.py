@@ -14,12 +14,13 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import PeftModel  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import loracc  # noqa: E402
+import test_trainer  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 VOCAB = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
@@ -45,16 +46,16 @@ def texts(n, seed):
     )
 
 
+# test_trainer's model, with this tokenizer's vocabulary and the pad/eos ids TRL needs.
+IDS = dict(vocab_size=len(VOCAB), pad_token_id=0, bos_token_id=1, eos_token_id=1)
+
+
 def base():
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(VOCAB), pad_token_id=0, bos_token_id=1, eos_token_id=1)
-    return LlamaForCausalLM(config)
+    return test_trainer.base(**IDS)
 
 
 def peft_llama(compiled):
-    model = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    return loracc.compile(model) if compiled else model
+    return test_trainer.peft_llama(compiled, **IDS)
 
 
 def sft(model, output_dir, **overrides):
