@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick] ...   (several parts run in order)
 #
-# tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16).
+# tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
+#        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
 # steps: benchmarks/fused_rows.py's step variants (loracc without CUDA graphs, with "auto", with
 #        every graph replayed) on both workloads. kernels: the fused kernels' bandwidth with and
 #        without launch cost. quick: benchmarks/bench.py --quick.
@@ -27,8 +28,8 @@ for part in "${@:-tests}"; do
     case $part in
     tests)
         # A cold kernel cache makes the CUDA-graph test compile and autotune every fp32 kernel first.
-        for f in tests/test_cuda_graphs.py tests/test_codegen_fused_rows.py tests/test_codegen_cross_entropy.py \
-                 tests/test_optim.py tests/test_fp16.py; do
+        for f in ${TESTS:-tests/test_gpu_training.py tests/test_cuda_graphs.py tests/test_codegen_fused_rows.py \
+                 tests/test_codegen_cross_entropy.py tests/test_optim.py tests/test_fp16.py}; do
             echo "== $f"
             # --show-capture=no: a failure's report without torch's DEBUG trace logs (caplog still works)
             timeout 300 python -m pytest -q --tb=short --show-capture=no "$f" 2>&1 | tail -25

@@ -63,12 +63,12 @@ def assert_close(got, expected, tol):
             assert a is None or abs(a - b) <= tol * abs(b), (got, expected)
 
 
-def run_both(output_dir, bf16):
-    """Train the eager and the compiled model the same way; return both trainers and the compiled model."""
-    eager = trainer(peft_llama(False), output_dir / "eager", bf16=bf16)
+def run_both(output_dir, bf16, **overrides):
+    """Train the eager and the compiled model the same way; return both trainers."""
+    eager = trainer(peft_llama(False), output_dir / "eager", bf16=bf16, **overrides)
     eager.train()
     model = peft_llama(True)
-    compiled = trainer(model, output_dir / "loracc", bf16=bf16)
+    compiled = trainer(model, output_dir / "loracc", bf16=bf16, **overrides)
     compiled.train()
     assert sum(r.calls for r in model._loracc.regions) > 0, "Trainer's steps did not run loracc's regions"
     return eager, compiled

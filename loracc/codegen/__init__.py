@@ -10,7 +10,8 @@ runtime calls with the graph's inputs, which must return the graph's outputs as 
 - ``triton``: the same graph with its LoRA ops run by fused Triton kernels rendered from
   ``templates/`` and cached on disk (``triton_backend.py``, ``lora_linear.py``, ``cache.py``).
 
-``backend="auto"`` picks ``triton`` on a CUDA device where Triton is installed, ``eager`` otherwise.
+``backend="auto"`` picks ``triton`` on a CUDA device where Triton is installed, ``eager`` otherwise,
+for the device each graph runs on when it compiles (``DeviceBackends``).
 """
 from __future__ import annotations
 
@@ -36,11 +37,55 @@ class EagerBackend:
 BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}
 
 
-def get_backend(name: str, device: torch.device, cuda_graphs: bool | str = False):
+def _resolve(name: str, device: torch.device, cuda_graphs) -> object:
     if name == "auto":
         name = "triton" if device.type == "cuda" and available(device) is None else "eager"
-    if name not in BACKENDS:
-        raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
     if name == "triton":
         return TritonBackend(device, cuda_graphs=cuda_graphs)
     return BACKENDS[name](device)
+
+
+class DeviceBackends:
+    """The backend a model's graphs compile with, chosen for the device they run on when they
+    compile: a model compiled on the CPU and moved to a GPU afterwards (Hugging Face Trainer moves
+    it) runs the Triton kernels there, not the CPU's ATen path. One backend per device, so the
+    CUDA graphs of a device share one memory pool."""
+
+    def __init__(self, name: str, device: torch.device, cuda_graphs: bool | str):
+        self.requested, self.device, self.cuda_graphs = name, device, cuda_graphs
+        self.by_device: dict[str, object] = {}
+        self.on(device)  # a backend that cannot run where the model is fails here, at loracc.compile
+
+    def on(self, device: torch.device):
+        key = str(device)
+        if key not in self.by_device:
+            self.by_device[key] = _resolve(self.requested, device, self.cuda_graphs)
+        return self.by_device[key]
+
+    @property
+    def name(self) -> str:
+        """The backend that ran (``"triton"``; ``"eager, triton"`` when graphs compiled on both)."""
+        return ", ".join(dict.fromkeys(b.name for b in self.by_device.values()))
+
+    @property
+    def report(self) -> list[dict]:
+        """What each fused node of the graphs compiled so far runs as (the Triton backends' reports)."""
+        return [entry for b in self.by_device.values() for entry in getattr(b, "report", [])]
+
+    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
+        return self.on(_graph_device(gm, self.device)).compile(gm, stage, after=after, repeats=repeats)
+
+
+def _graph_device(gm: fx.GraphModule, default: torch.device) -> torch.device:
+    """The device of the graph's first tensor input (its example value), else ``default``."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return default
+
+
+def get_backend(name: str, device: torch.device, cuda_graphs: bool | str = False) -> DeviceBackends:
+    if name != "auto" and name not in BACKENDS:
+        raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
+    return DeviceBackends(name, device, cuda_graphs)

@@ -1,0 +1,119 @@
+"""The training paths of the CPU tests on a GPU, where ``loracc.compile`` runs the generated
+Triton kernels and replays CUDA graphs (``cuda_graphs="auto"``, its default): Hugging Face Trainer
+with bf16 mixed precision, TRL's SFTTrainer with its default gradient checkpointing, and LoRA
+dropout (random ops inside a replayed graph). The models are compiled on the CPU and moved to the
+GPU by the trainer, as users do."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import loracc
+from conftest import rel_err
+from loracc import presets
+from loracc.cuda_graphs import Replayer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+TOL = 2e-2  # 16-bit arithmetic
+
+
+def _block_replayers(model):
+    return [f for r in model._loracc.regions if r.kind == "block" for p in r.programs.values() if p
+            for f in (p.forward, p.backward) if isinstance(f, Replayer)]
+
+
+def test_trainer_bf16_on_the_gpu_matches_eager(tmp_path):
+    from test_trainer import assert_close, history, run_both
+
+    eager, compiled = run_both(tmp_path, bf16=True, use_cpu=False)
+    model = compiled.model
+    assert next(model.parameters()).is_cuda
+    assert loracc.explain(model).backend == "triton", "compiled on the CPU, moved by Trainer: the kernels must follow"
+    assert _block_replayers(model) and all(f.decision for f in _block_replayers(model))
+    assert_close(history(compiled), history(eager), TOL)
+
+
+def test_sft_trainer_with_gradient_checkpointing_on_the_gpu(tmp_path):
+    from test_trl import logged, peft_llama, sft
+
+    eager = sft(peft_llama(False), tmp_path / "eager", use_cpu=False, bf16=True)
+    eager.train()
+    model = peft_llama(True)
+    compiled = sft(model, tmp_path / "loracc", use_cpu=False, bf16=True)
+    compiled.train()
+    assert model.get_base_model().model.layers[0].gradient_checkpointing
+    assert loracc.explain(model).backend == "triton" and not loracc.explain(model).fallbacks
+    assert _block_replayers(model) and all(f.decision for f in _block_replayers(model))
+    got, expected = logged(compiled), logged(eager)
+    assert len(got) == len(expected) == 6, (got, expected)
+    for entry, ref in zip(got, expected):
+        assert entry.keys() == ref.keys()
+        for key, value in ref.items():
+            assert abs(entry[key] - value) <= TOL * abs(value), (key, got, expected)
+
+
+def _steps(model, batch, seeds):
+    losses, grads = [], []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        model.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def test_dropout_in_replayed_graphs_draws_the_masks_of_the_python_run():
+    """A replayed graph draws its dropout masks from the generator's state at the replay, as the
+    same kernels run from Python would: under the same seed, replays give the Python run's losses
+    and gradients; under another seed, another mask (fp32)."""
+    model, batch = presets.preset("llama", layers=3, seq=37, dropout=0.3)
+    model, batch = model.cuda(), {k: v.cuda() for k, v in batch.items()}
+    python = loracc.compile(copy.deepcopy(model), cuda_graphs=False)
+    graphed = loracc.compile(model, cuda_graphs=True)
+    seeds = [11, 12, 13, 12]  # step 1 captures (its warm-up draws too); steps 2-4 replay
+    losses, grads = _steps(graphed, batch, seeds)
+    ref_losses, ref_grads = _steps(python, batch, seeds)
+    assert all(f.graphed is not None for f in _block_replayers(graphed)), "the blocks did not replay"
+    assert len({round(x, 6) for x in ref_losses[:3]}) == 3, "three seeds, three masks: the losses should differ"
+    for step in (1, 2, 3):
+        assert abs(losses[step] - ref_losses[step]) <= 1e-6 * abs(ref_losses[step]), (losses, ref_losses)
+        for name, g in ref_grads[step].items():
+            assert rel_err(grads[step][name], g) <= 1e-5, (step, name)
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_replayed_dropout_mask_is_shared_by_forward_and_backward():
+    """test_dropout's check of the mask (from the output, the rank-r product u of the step, whatever
+    the mask; dB = s·dYᵀu and dA·Aᵀ = (s·dY·B)ᵀu), on the third call: a replay of the graphs."""
+    torch.manual_seed(0)
+    model = _Wrap(loracc.LoRALinear(16, 12, r=4, dropout=0.5, init_zero=False)).cuda().train()
+    compiled = loracc.compile(model, cuda_graphs=True)
+    x = torch.randn(5, 16, device="cuda")
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        y = compiled(x)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+    (region,) = compiled._loracc.regions
+    assert region.latest.forward.graphed is not None and region.latest.backward.graphed is not None
+    lora = model.inner
+    with torch.no_grad():
+        base = nn.functional.linear(x, lora.weight, lora.bias)
+        u = ((y - base) / lora.scaling) @ torch.linalg.pinv(lora.lora_B).t()
+        grad_u = (gy @ lora.lora_B) * lora.scaling
+        assert rel_err(lora.lora_B.grad, (gy.t() @ u) * lora.scaling) <= 1e-4
+        assert rel_err(lora.lora_A.grad @ lora.lora_A.t(), grad_u.t() @ u) <= 1e-4
+        assert rel_err(u, x @ lora.lora_A.t()) > 0.1, "the forward applied a mask"
