@@ -24,6 +24,12 @@ if [ -f .whl/liger_kernel-0.8.5-py3-none-any.whl ]; then
     python -m pip install -q --no-deps --no-index .whl/liger_kernel-0.8.5-py3-none-any.whl 2>&1 | grep -v WARNING
 fi
 
+# TRL and datasets for tests/test_gpu_training.py's SFTTrainer test: from the carried Unsloth site.
+if [ -f .whl/unsloth_site.tar.xz ] && ! python -c "import trl" 2>/dev/null; then
+    mkdir -p /tmp/trl-site && tar -xJf .whl/unsloth_site.tar.xz -C /tmp/trl-site ./trl ./datasets ./dill ./multiprocess ./_multiprocess
+    export PYTHONPATH=$PYTHONPATH:/tmp/trl-site
+fi
+
 for part in "${@:-tests}"; do
     case $part in
     tests)

@@ -54,6 +54,7 @@ class DeviceBackends:
     def __init__(self, name: str, device: torch.device, cuda_graphs: bool | str):
         self.requested, self.device, self.cuda_graphs = name, device, cuda_graphs
         self.by_device: dict[str, object] = {}
+        self.used: dict[str, None] = {}  # the names of the backends that compiled a graph, in order
         self.on(device)  # a backend that cannot run where the model is fails here, at loracc.compile
 
     def on(self, device: torch.device):
@@ -64,8 +65,9 @@ class DeviceBackends:
 
     @property
     def name(self) -> str:
-        """The backend that ran (``"triton"``; ``"eager, triton"`` when graphs compiled on both)."""
-        return ", ".join(dict.fromkeys(b.name for b in self.by_device.values()))
+        """The backend the graphs compiled with (``"eager, triton"`` when some compiled on each); before
+        any compiled, the one for the device the model was on at ``loracc.compile``."""
+        return ", ".join(self.used) if self.used else self.on(self.device).name
 
     @property
     def report(self) -> list[dict]:
@@ -73,7 +75,9 @@ class DeviceBackends:
         return [entry for b in self.by_device.values() for entry in getattr(b, "report", [])]
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
-        return self.on(_graph_device(gm, self.device)).compile(gm, stage, after=after, repeats=repeats)
+        backend = self.on(_graph_device(gm, self.device))
+        self.used[backend.name] = None
+        return backend.compile(gm, stage, after=after, repeats=repeats)
 
 
 def _graph_device(gm: fx.GraphModule, default: torch.device) -> torch.device:
