@@ -24,10 +24,12 @@ if [ -f .whl/liger_kernel-0.8.5-py3-none-any.whl ]; then
     python -m pip install -q --no-deps --no-index .whl/liger_kernel-0.8.5-py3-none-any.whl 2>&1 | grep -v WARNING
 fi
 
-# TRL and datasets for tests/test_gpu_training.py's SFTTrainer test: from the carried Unsloth site.
+# TRL and datasets for tests/test_gpu_training.py's SFTTrainer test: the carried Unsloth site holds
+# them (with their dependencies), on that test's path only.
+trl_site=
 if [ -f .whl/unsloth_site.tar.xz ] && ! python -c "import trl" 2>/dev/null; then
-    mkdir -p /tmp/trl-site && tar -xJf .whl/unsloth_site.tar.xz -C /tmp/trl-site ./trl ./datasets ./dill ./multiprocess ./_multiprocess
-    export PYTHONPATH=$PYTHONPATH:/tmp/trl-site
+    trl_site=/tmp/trl-site
+    mkdir -p $trl_site && tar -xJf .whl/unsloth_site.tar.xz -C $trl_site
 fi
 
 for part in "${@:-tests}"; do
@@ -38,7 +40,8 @@ for part in "${@:-tests}"; do
                  tests/test_codegen_cross_entropy.py tests/test_optim.py tests/test_fp16.py}; do
             echo "== $f"
             # --show-capture=no: a failure's report without torch's DEBUG trace logs (caplog still works)
-            timeout 300 python -m pytest -q --tb=short --show-capture=no "$f" 2>&1 | tail -25
+            site=; [ "$f" = tests/test_gpu_training.py ] && site=$trl_site
+            PYTHONPATH=$PYTHONPATH${site:+:$site} timeout 300 python -m pytest -q --tb=short --show-capture=no "$f" 2>&1 | tail -25
         done | tee "$OUT/pytest.txt" ;;
     steps)
         timeout 420 python benchmarks/fused_rows.py --part steps --workload qwen2-0.5b --workload llama-3.2-1b \
