@@ -23,8 +23,15 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
     ``decompositions``: ATen op → a function of the op's arguments traced in its place.
     """
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
-    with _preserve_meta():
+    # The trace runs autograd on fake tensors: saved-tensor hooks of the caller's context (those of
+    # gradient checkpointing when a checkpointed layer compiles) must not see them. Only the
+    # innermost pair of hooks applies, so identity hooks shut the others out.
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same), _preserve_meta():
         return traced(*example_inputs)
+
+
+def _same(t):
+    return t
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import loracc  # noqa: E402
+from loracc import presets  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from loracc._compat import trace  # noqa: E402
 from loracc.codegen import get_backend, lora_linear  # noqa: E402
@@ -113,3 +114,24 @@ def test_auto_backend_picks_by_device():
         assert get_backend("auto", torch.device("cuda")).name == "triton"
     with pytest.raises(loracc.LoraccError, match="CUDA"):
         TritonBackend(torch.device("meta"))
+
+
+@pytest.mark.skipif(not lora_linear.interpreting(), reason="Triton's interpreter only")
+def test_interpreter_leaves_bfloat16_to_the_reference_ops():
+    """Triton's interpreter computes bfloat16 wrongly, so under it the backend runs bf16 (autocast
+    here) with the reference ops, says so, and gives eager's loss and gradients."""
+    model, batch = presets.preset("llama", layers=2, seq=9)
+    reference = copy.deepcopy(model)
+    compiled = loracc.compile(model, backend="triton")
+    results = []
+    for m in (compiled, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(**batch).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) <= 2e-2, name
+    lora = [e["runs"] for e in compiled._loracc.backend.report if e["node"].startswith("lora_linear")]
+    assert lora and all("bfloat16 under TRITON_INTERPRET=1" in r for r in lora), lora

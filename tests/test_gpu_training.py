@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import loracc
@@ -18,6 +19,18 @@ from loracc.cuda_graphs import Replayer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 TOL = 2e-2  # 16-bit arithmetic
+
+
+def _assert_same_adapters(output_dir, steps=(2, 4)):
+    """Trainer's checkpoints of the compiled run hold eager's adapters (a zero gradient would leave
+    lora_B at its zero init, far from eager's)."""
+    for step in steps:
+        saved = load_file(output_dir / "loracc" / f"checkpoint-{step}" / "adapter_model.safetensors")
+        reference = load_file(output_dir / "eager" / f"checkpoint-{step}" / "adapter_model.safetensors")
+        assert saved.keys() == reference.keys() and saved
+        for key, tensor in reference.items():
+            assert tensor.float().norm() > 0, key
+            assert rel_err(saved[key].float(), tensor.float()) <= TOL, (step, key)
 
 
 def _block_replayers(model):
@@ -34,6 +47,7 @@ def test_trainer_bf16_on_the_gpu_matches_eager(tmp_path):
     assert loracc.explain(model).backend == "triton", "compiled on the CPU, moved by Trainer: the kernels must follow"
     assert _block_replayers(model) and all(f.decision for f in _block_replayers(model))
     assert_close(history(compiled), history(eager), TOL)
+    _assert_same_adapters(tmp_path)
 
 
 def test_sft_trainer_with_gradient_checkpointing_on_the_gpu(tmp_path):
@@ -53,6 +67,7 @@ def test_sft_trainer_with_gradient_checkpointing_on_the_gpu(tmp_path):
         assert entry.keys() == ref.keys()
         for key, value in ref.items():
             assert abs(entry[key] - value) <= TOL * abs(value), (key, got, expected)
+    _assert_same_adapters(tmp_path)
 
 
 def _steps(model, batch, seeds):

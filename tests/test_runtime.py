@@ -213,3 +213,16 @@ def test_uncompile_restores_a_forward_set_on_the_instance_before_compile():
     assert layer.forward is hooked
     model(**batch)
     assert calls
+
+
+def test_compiling_inside_saved_tensor_hooks_hides_the_trace_from_them():
+    """Gradient checkpointing compiles a layer inside its saved-tensor hooks: loracc's traces run
+    autograd on fake tensors, which must not reach the caller's hooks (a checkpoint would keep them
+    and hand them to the real backward). The real step's own saved tensors still go through them."""
+    model, batch = presets.preset("llama", layers=2, seq=8)
+    model = loracc.compile(model)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(type(t).__name__) or t, lambda t: t):
+        model(**batch).loss.backward()
+    assert loracc.explain(model).regions[0].captures > 0
+    assert seen and "FakeTensor" not in seen, sorted(set(seen))

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from .. import cross_entropy as reference
-from . import cache
+from . import cache, lora_linear
 from .render import render
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -61,7 +61,7 @@ def unsupported(hidden, weight, labels) -> str | None:
         return f"hidden {hidden.dtype} / weight {weight.dtype}: the kernel takes one float dtype"
     if labels.dtype != torch.int64:
         return f"labels are {labels.dtype}, not int64"
-    return None
+    return lora_linear.interpreter_refuses({hidden.dtype, weight.dtype})
 
 
 __all__ = ["linear_cross_entropy", "unsupported", "reference"]

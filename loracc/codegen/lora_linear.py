@@ -45,10 +45,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpreter_refuses(dtypes) -> str | None:
+    """Why Triton's CPU interpreter must not run a kernel on these dtypes; None when it may.
+    The interpreter computes bfloat16 wrongly (triton 3.9: a bf16 load and store alone changes the
+    values), so under TRITON_INTERPRET=1 the reference ops run bf16 instead."""
+    if interpreting() and torch.bfloat16 in dtypes:
+        return "bfloat16 under TRITON_INTERPRET=1 (Triton's interpreter computes bfloat16 wrongly)"
+    return None
+
+
 def unsupported(x, weight, bias, lora_a, lora_b, lora_x=None) -> str | None:
     """Why these (possibly fake) tensors cannot take the fused path; None when they can."""
     if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
         return f"tensors on {x.device.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
+    reason = interpreter_refuses({t.dtype for t in (x, weight, lora_a, lora_b)})
+    if reason:
+        return reason
     if x.dtype not in KERNEL_DTYPES:
         return f"input dtype {x.dtype} (the kernels take float32, bfloat16, float16)"
     mixed = [name for name, t in (("weight", weight), ("bias", bias), ("lora_x", lora_x)) if t is not None and t.dtype != x.dtype]
