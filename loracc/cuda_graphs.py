@@ -14,16 +14,19 @@ outputs of each graph, and the workspace of one call. Every graph of a model cap
 shared memory pool (``SharedPool``), so the workspaces of different graphs overlap (they never run
 at once: one stream, and each graph's temporaries are dead when it returns).
 
-``Replayer`` decides per graph, at its second call (the first compiles and autotunes); the Triton
+``Replayer`` decides per graph, after its first call (which compiles and autotunes); the Triton
 backend gives one to each graph of a repeated block (and with ``cuda_graphs=True`` to every graph):
 
-- ``mode="on"``: capture and replay from then on;
-- ``mode="auto"``: time that call run from Python (kernel launches included, synchronized), capture,
-  time the replay (best of three), and keep the graph only if a replay takes at most ``KEEP_BELOW``
-  of the Python call: a step bound by launching kernels (small hidden sizes) gains, a GPU-bound one
-  would only pay the copies and the memory. A backward given ``after=`` its forward tries only if
-  that forward kept its graph (so a GPU-bound model never captures its backward, where the step's
-  memory peaks).
+- ``mode="on"``: capture at the second call and replay from then on;
+- ``mode="auto"``: time the second and third calls run from Python (kernel launches included,
+  synchronized), then capture, time the replay (best of three), and keep the graph only if a replay
+  takes at most ``KEEP_BELOW`` of the faster Python call: a step bound by launching kernels (small
+  hidden sizes) gains, a GPU-bound one would only pay the copies and the memory. Two Python calls,
+  because one taken in the first step can include the caching allocator growing (on an H100, one
+  such call made a Llama-3.2-1B layer look 1.28× slower than a replay: a graph kept for nothing but
+  its memory). A backward given ``after=`` its forward waits for the forward's decision and tries
+  only if that forward kept its graph (so a GPU-bound model never captures its backward, where the
+  step's memory peaks).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import torch
 log = logging.getLogger("loracc")
 
 KEEP_BELOW = 0.8  # mode "auto": a graph stays when a replay takes at most this fraction of a Python call
+PYTHON_TIMINGS = 2  # mode "auto": Python calls timed before the capture (the fastest counts)
 
 
 class SharedPool:
@@ -80,7 +84,7 @@ class Graphed:
 class Replayer:
     """``fn`` run from Python at its first call; from the second on, as a CUDA graph when ``mode``
     says so (see the module's docstring). A capture that fails leaves it in Python, with the reason
-    logged. ``decision`` says what was decided and why (None before the second call)."""
+    logged. ``decision`` says what was decided and why (None until decided)."""
 
     def __init__(self, fn, name: str, mode: str = "on", pool: SharedPool | None = None, after: "Replayer | None" = None):
         if mode not in ("on", "auto"):
@@ -91,6 +95,7 @@ class Replayer:
         self.graphed: Graphed | None = None
         self.failed: str | None = None
         self.decision: str | None = None
+        self.python_s: list[float] = []  # mode "auto": the Python calls timed so far
 
     @property
     def may_graph(self) -> bool:
@@ -104,11 +109,17 @@ class Replayer:
         if self.calls < 2 or self.decision is not None or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             return self.fn(*inputs)
         if self.mode == "auto" and self.after is not None and self.after.graphed is None:
+            if self.after.decision is None:  # the forward has not decided yet: wait for it
+                return self.fn(*inputs)
             self.decision = f"runs from Python, as {self.after.name} does"
             return self.fn(*inputs)
         outputs = None
         if self.mode == "auto":
-            python_s, outputs = _timed(lambda: self.fn(*inputs))
+            seconds, outputs = _timed(lambda: self.fn(*inputs))
+            self.python_s.append(seconds)
+            if len(self.python_s) < PYTHON_TIMINGS:
+                return outputs
+            python_s = min(self.python_s)
         try:
             graphed = Graphed(self.fn, list(inputs), self.pool.handle())
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why

@@ -63,7 +63,7 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     the first training call raises ``LoraccError`` naming the smallest peak possible.
     ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
     ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/cuda_graphs.py``): ``"auto"`` replays a
-    compiled graph as a CUDA graph where, timed at its second call, a replay is clearly faster than
+    compiled graph as a CUDA graph where, timed at its second and third calls, a replay is clearly faster than
     running it from Python: steps bound by kernel launches (small hidden sizes, e.g. Qwen2-0.5B)
     gain, GPU-bound ones (Llama-3.2-1B at 4×2048) stay as they are. Only with the fastest plan
     (``memory_budget=None``): graphs keep static copies of their inputs and outputs, memory a budget

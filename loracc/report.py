@@ -136,7 +136,7 @@ def _graph_decisions(region) -> list[str]:
         for stage in ("forward", "backward"):
             fn = getattr(program, stage)
             if isinstance(fn, Replayer):
-                decision = fn.decision or "decides on its second call whether to replay as a CUDA graph"
+                decision = fn.decision or "not decided yet whether to replay as a CUDA graph (decides at its third call)"
                 decisions.append(f"{label}{stage}: {decision}")
     return decisions
 

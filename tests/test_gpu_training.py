@@ -19,6 +19,8 @@ from loracc.cuda_graphs import Replayer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 TOL = 2e-2  # 16-bit arithmetic
+# Token accuracy counts argmax hits: in bf16 a near-tie can flip one token of the ~100 per step.
+ABSOLUTE = {"mean_token_accuracy": 0.02, "eval_mean_token_accuracy": 0.02}
 
 
 def _assert_same_adapters(output_dir, steps=(2, 4)):
@@ -66,7 +68,7 @@ def test_sft_trainer_with_gradient_checkpointing_on_the_gpu(tmp_path):
     for entry, ref in zip(got, expected):
         assert entry.keys() == ref.keys()
         for key, value in ref.items():
-            assert abs(entry[key] - value) <= TOL * abs(value), (key, got, expected)
+            assert abs(entry[key] - value) <= ABSOLUTE.get(key, TOL * abs(value)), (key, got, expected)
     _assert_same_adapters(tmp_path)
 
 
