@@ -54,7 +54,7 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
     model, peft_model, _ = bench.build_model(workload, "loracc", device)
     try:
         loracc.compile(peft_model, memory_budget=budget_value(budget_text))
-        args = SimpleNamespace(workload=workload, batch=batch, seq=seq, steps=steps, warmup=warmup)
+        args = SimpleNamespace(workload=workload, method="loracc", batch=batch, seq=seq, steps=steps, warmup=warmup)
         record.update(bench.train(model, peft_model, args, device))
     except loracc.LoraccError as exc:
         return {**record, "status": "refused", "error": str(exc)}

@@ -351,3 +351,14 @@ def test_report_rejects_foreign_json(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a bench.py result"):
         report.load(path)
+
+
+def test_memory_budget_script_runs_a_budget_on_the_tiny_workload():
+    """benchmarks/memory_budget.py's worker: one budget on the tiny workload, with bench.py's step."""
+    import memory_budget
+
+    spec = bench.WORKLOADS["tiny"]
+    record = memory_budget.run_one("tiny", "0.1", spec["batch"], spec["seq"], steps=1, warmup=1)
+    assert record["status"] == "ok", record
+    assert record["predicted_peak_bytes"] > record["persistent_bytes"] > 0
+    assert record["regions"] and all(r["recomputed_gemms"] >= 0 for r in record["regions"])
