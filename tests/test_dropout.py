@@ -63,7 +63,11 @@ def test_mask_is_shared_by_forward_and_backward():
     assert loracc.explain(compiled).regions[0].calls == 1
     gy = torch.randn_like(y)
     y.backward(gy)
-    lora = model.inner
+    assert_gradients_use_the_forwards_mask(model.inner, x, y, gy)
+
+
+def assert_gradients_use_the_forwards_mask(lora, x, y, gy):
+    """The check above: ``lora``'s gradients from the output ``y`` of input ``x`` and its gradient ``gy``."""
     with torch.no_grad():
         base = nn.functional.linear(x, lora.weight, lora.bias)
         u = ((y - base) / lora.scaling) @ torch.linalg.pinv(lora.lora_B).t()

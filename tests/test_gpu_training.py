@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 import loracc
 from conftest import rel_err
@@ -106,18 +105,11 @@ def test_dropout_in_replayed_graphs_draws_the_masks_of_the_python_run():
             assert rel_err(grads[step][name], g) <= 1e-5, (step, name)
 
 
-class _Wrap(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x)
-
-
 def test_replayed_dropout_mask_is_shared_by_forward_and_backward():
     """test_dropout's check of the mask (from the output, the rank-r product u of the step, whatever
     the mask; dB = s·dYᵀu and dA·Aᵀ = (s·dY·B)ᵀu), on the third call: a replay of the graphs."""
+    from test_dropout import _Wrap, assert_gradients_use_the_forwards_mask
+
     torch.manual_seed(0)
     model = _Wrap(loracc.LoRALinear(16, 12, r=4, dropout=0.5, init_zero=False)).cuda().train()
     compiled = loracc.compile(model, cuda_graphs=True)
@@ -129,11 +121,4 @@ def test_replayed_dropout_mask_is_shared_by_forward_and_backward():
         y.backward(gy)
     (region,) = compiled._loracc.regions
     assert region.latest.forward.graphed is not None and region.latest.backward.graphed is not None
-    lora = model.inner
-    with torch.no_grad():
-        base = nn.functional.linear(x, lora.weight, lora.bias)
-        u = ((y - base) / lora.scaling) @ torch.linalg.pinv(lora.lora_B).t()
-        grad_u = (gy @ lora.lora_B) * lora.scaling
-        assert rel_err(lora.lora_B.grad, (gy.t() @ u) * lora.scaling) <= 1e-4
-        assert rel_err(lora.lora_A.grad @ lora.lora_A.t(), grad_u.t() @ u) <= 1e-4
-        assert rel_err(u, x @ lora.lora_A.t()) > 0.1, "the forward applied a mask"
+    assert_gradients_use_the_forwards_mask(model.inner, x, y, gy)
