@@ -23,15 +23,32 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
     ``decompositions``: ATen op → a function of the op's arguments traced in its place.
     """
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
-    # The trace runs autograd on fake tensors: saved-tensor hooks of the caller's context (those of
-    # gradient checkpointing when a checkpointed layer compiles) must not see them. Only the
-    # innermost pair of hooks applies, so identity hooks shut the others out.
-    with torch.autograd.graph.saved_tensors_hooks(_same, _same), _preserve_meta():
+    with _without_saved_tensors_hooks(), _preserve_meta():
         return traced(*example_inputs)
 
 
-def _same(t):
-    return t
+@contextlib.contextmanager
+def _without_saved_tensors_hooks():
+    """The trace runs autograd on fake tensors: saved-tensor hooks of the caller's context (those of
+    gradient checkpointing, when a checkpointed layer compiles) must not see them. They are taken
+    off PyTorch's stack for the trace and put back after (pushing identity hooks instead would
+    change the traced graph: every saved tensor would gain a detach)."""
+    hooks = torch._C._autograd
+    stack = []
+    while True:
+        try:
+            top = hooks._top_saved_tensors_default_hooks(False)
+        except RuntimeError:  # hooks disabled (torch.autograd.graph.disable_saved_tensors_hooks): none apply
+            break
+        if top is None:
+            break
+        stack.append(top)
+        hooks._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @contextlib.contextmanager

@@ -118,20 +118,24 @@ def test_auto_backend_picks_by_device():
 
 @pytest.mark.skipif(not lora_linear.interpreting(), reason="Triton's interpreter only")
 def test_interpreter_leaves_bfloat16_to_the_reference_ops():
-    """Triton's interpreter computes bfloat16 wrongly, so under it the backend runs bf16 (autocast
-    here) with the reference ops, says so, and gives eager's loss and gradients."""
+    """Triton's interpreter computes bfloat16 matrix products wrongly, so under it the backend runs
+    the bf16 GEMMs (autocast here) with the reference ops and says so. Its gradients are as close to
+    the fp32 ones as eager PEFT's under the same autocast, the worst gradient of each compared (bf16
+    noise on this small model reaches several percent either way; the wrong products gave errors
+    near 1)."""
     model, batch = presets.preset("llama", layers=2, seq=9)
-    reference = copy.deepcopy(model)
-    compiled = loracc.compile(model, backend="triton")
-    results = []
-    for m in (compiled, reference):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    runs = {}
+    for name, autocast, compiled in (("fp32", False, False), ("eager bf16", True, False), ("loracc bf16", True, True)):
+        m = copy.deepcopy(model)
+        m = loracc.compile(m, backend="triton") if compiled else m
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = m(**batch).loss
         loss.backward()
-        results.append((loss.item(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
-    (loss, grads), (ref_loss, ref_grads) = results
-    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
-    for name, g in ref_grads.items():
-        assert rel_err(grads[name], g) <= 2e-2, name
-    lora = [e["runs"] for e in compiled._loracc.backend.report if e["node"].startswith("lora_linear")]
-    assert lora and all("bfloat16 under TRITON_INTERPRET=1" in r for r in lora), lora
+        runs[name] = (loss.item(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}, m)
+    (truth_loss, truth, _), (eager_loss, eager, _), (loss, grads, m) = runs["fp32"], runs["eager bf16"], runs["loracc bf16"]
+    assert abs(loss - eager_loss) <= 2e-2 * abs(eager_loss)
+    worst = max(rel_err(grads[name], g) for name, g in truth.items())
+    eager_worst = max(rel_err(eager[name], g) for name, g in truth.items())
+    assert worst <= 1.5 * eager_worst + 1e-2, (worst, eager_worst)
+    lora = [e["runs"] for e in m._loracc.backend.report if e["node"].startswith("lora_linear")]
+    assert lora and all("bfloat16 matrix products under TRITON_INTERPRET=1" in r for r in lora), lora

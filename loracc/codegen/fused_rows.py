@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..graph import output_node
 from ..passes.fusion import PASS_THROUGH, FusedRows
 from ..passes.memory_plan import value_bytes
-from . import cache, lora_linear
+from . import cache
 from .render import render
 
 aten = torch.ops.aten
@@ -325,10 +325,6 @@ class RowKernel:
     """
 
     def __init__(self, group: FusedRows, wide_offsets: bool | None = None):
-        refused = lora_linear.interpreter_refuses(
-            {v.dtype for n in group.graph.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)})
-        if refused:
-            raise NotImplementedError(refused)
         self.group = group
         self.__name__ = group.__name__
         rows = group.rows

@@ -46,11 +46,13 @@ def interpreting() -> bool:
 
 
 def interpreter_refuses(dtypes) -> str | None:
-    """Why Triton's CPU interpreter must not run a kernel on these dtypes; None when it may.
-    The interpreter computes bfloat16 wrongly (triton 3.9: a bf16 load and store alone changes the
-    values), so under TRITON_INTERPRET=1 the reference ops run bf16 instead."""
+    """Why Triton's CPU interpreter must not run a matrix-product kernel on these dtypes; None when
+    it may. The interpreter computes bfloat16 arithmetic wrongly (triton 3.9: ``tl.dot`` of two bf16
+    blocks, or ``x * 2`` in bf16, returns garbage; loads, stores and fp32 math on upcast values are
+    right, so the row kernels, which compute in fp32, are not affected). Under TRITON_INTERPRET=1
+    the reference ops run the bf16 GEMMs instead."""
     if interpreting() and torch.bfloat16 in dtypes:
-        return "bfloat16 under TRITON_INTERPRET=1 (Triton's interpreter computes bfloat16 wrongly)"
+        return "bfloat16 matrix products under TRITON_INTERPRET=1 (Triton's interpreter computes them wrongly)"
     return None
 
 
@@ -58,9 +60,6 @@ def unsupported(x, weight, bias, lora_a, lora_b, lora_x=None) -> str | None:
     """Why these (possibly fake) tensors cannot take the fused path; None when they can."""
     if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
         return f"tensors on {x.device.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
-    reason = interpreter_refuses({t.dtype for t in (x, weight, lora_a, lora_b)})
-    if reason:
-        return reason
     if x.dtype not in KERNEL_DTYPES:
         return f"input dtype {x.dtype} (the kernels take float32, bfloat16, float16)"
     mixed = [name for name, t in (("weight", weight), ("bias", bias), ("lora_x", lora_x)) if t is not None and t.dtype != x.dtype]
@@ -68,7 +67,7 @@ def unsupported(x, weight, bias, lora_a, lora_b, lora_x=None) -> str | None:
         return f"{', '.join(mixed)} not in the input dtype {x.dtype}"
     if lora_a.dtype != lora_b.dtype or lora_a.dtype not in (x.dtype, torch.float32):
         return f"LoRA weights in {lora_a.dtype}/{lora_b.dtype} next to a {x.dtype} base (supported: the base dtype or float32)"
-    return None
+    return interpreter_refuses({x.dtype, lora_a.dtype})
 
 
 def _rows(t: Tensor, features: int) -> Tensor:
