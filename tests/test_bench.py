@@ -362,3 +362,4 @@ def test_memory_budget_script_runs_a_budget_on_the_tiny_workload():
     assert record["status"] == "ok", record
     assert record["predicted_peak_bytes"] > record["persistent_bytes"] > 0
     assert record["regions"] and all(r["recomputed_gemms"] >= 0 for r in record["regions"])
+    assert record["cuda_graphs"] == []  # on a CPU nothing is graphed
