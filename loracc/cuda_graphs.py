@@ -109,9 +109,8 @@ class Replayer:
         if self.calls < 2 or self.decision is not None or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             return self.fn(*inputs)
         if self.mode == "auto" and self.after is not None and self.after.graphed is None:
-            if self.after.decision is None:  # the forward has not decided yet: wait for it
-                return self.fn(*inputs)
-            self.decision = f"runs from Python, as {self.after.name} does"
+            if self.after.decision is not None:  # the forward stays in Python; undecided, wait for it
+                self.decision = f"runs from Python, as {self.after.name} does"
             return self.fn(*inputs)
         outputs = None
         if self.mode == "auto":
