@@ -37,7 +37,7 @@ class EagerBackend:
 BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}
 
 
-def _resolve(name: str, device: torch.device, cuda_graphs) -> object:
+def _resolve(name: str, device: torch.device, cuda_graphs: str) -> object:
     if name == "auto":
         name = "triton" if device.type == "cuda" and available(device) is None else "eager"
     if name == "triton":
@@ -51,7 +51,7 @@ class DeviceBackends:
     it) runs the Triton kernels there, not the CPU's ATen path. One backend per device, so the
     CUDA graphs of a device share one memory pool."""
 
-    def __init__(self, name: str, device: torch.device, cuda_graphs: bool | str):
+    def __init__(self, name: str, device: torch.device, cuda_graphs: str):
         self.requested, self.device, self.cuda_graphs = name, device, cuda_graphs
         self.by_device: dict[str, object] = {}
         self.used: dict[str, None] = {}  # the names of the backends that compiled a graph, in order
@@ -89,7 +89,7 @@ def _graph_device(gm: fx.GraphModule, default: torch.device) -> torch.device:
     return default
 
 
-def get_backend(name: str, device: torch.device, cuda_graphs: bool | str = False) -> DeviceBackends:
+def get_backend(name: str, device: torch.device, cuda_graphs: str = "off") -> DeviceBackends:
     if name != "auto" and name not in BACKENDS:
         raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
     return DeviceBackends(name, device, cuda_graphs)

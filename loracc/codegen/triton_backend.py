@@ -42,17 +42,17 @@ def available(device: torch.device) -> str | None:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, device: torch.device, cuda_graphs: bool | str = False):
+    def __init__(self, device: torch.device, cuda_graphs: str = "off"):
         reason = available(device)
         if reason is not None:
             raise LoraccError(f"backend 'triton': {reason}; use backend='eager' on this device")
         self.report: list[dict] = []
         # CUDA graphs (loracc/cuda_graphs.py): "on" replays each compiled graph as a CUDA graph from
-        # its second call on, "auto" does where that measured faster, "off" runs them from Python.
-        mode = {True: "on", False: "off"}.get(cuda_graphs, cuda_graphs)
-        if mode not in ("on", "off", "auto"):
-            raise LoraccError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
-        self.cuda_graphs = mode if device.type == "cuda" else "off"
+        # its second call on, "auto" does where that measured faster, "off" runs them from Python
+        # (loracc.compile turns its cuda_graphs argument into one of these: model._graph_mode).
+        if cuda_graphs not in ("on", "off", "auto"):
+            raise ValueError(f"TritonBackend cuda_graphs must be 'on', 'off' or 'auto', got {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
         self._pool = SharedPool()  # one memory pool for every graph of the model
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
