@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import loracc
 from conftest import rel_err
@@ -25,10 +24,9 @@ ABSOLUTE = {"mean_token_accuracy": 0.02, "eval_mean_token_accuracy": 0.02}
 def _assert_same_adapters(output_dir, steps=(2, 4)):
     """Trainer's checkpoints of the compiled run hold eager's adapters (a zero gradient would leave
     lora_B at its zero init, far from eager's)."""
-    for step in steps:
-        saved = load_file(output_dir / "loracc" / f"checkpoint-{step}" / "adapter_model.safetensors")
-        reference = load_file(output_dir / "eager" / f"checkpoint-{step}" / "adapter_model.safetensors")
-        assert saved.keys() == reference.keys() and saved
+    from test_trainer import saved_adapters
+
+    for step, saved, reference in saved_adapters(output_dir, steps):
         for key, tensor in reference.items():
             assert tensor.float().norm() > 0, key
             assert rel_err(saved[key].float(), tensor.float()) <= TOL, (step, key)

@@ -51,6 +51,16 @@ def trainer(model, output_dir, **overrides):
     return Trainer(model=model, args=args, train_dataset=Tokens(16, 1), eval_dataset=Tokens(4, 2))
 
 
+def saved_adapters(output_dir, steps=(2, 4)):
+    """``(step, compiled, eager)``: the adapters each run saved in Trainer's checkpoint of that step
+    (``output_dir/loracc`` and ``output_dir/eager``), with the same non-empty set of keys."""
+    for step in steps:
+        path = f"checkpoint-{step}/adapter_model.safetensors"
+        saved, reference = load_file(output_dir / "loracc" / path), load_file(output_dir / "eager" / path)
+        assert saved.keys() == reference.keys() and saved
+        yield step, saved, reference
+
+
 def history(t):
     return [(h.get("loss"), h.get("eval_loss")) for h in t.state.log_history if "loss" in h or "eval_loss" in h]
 
@@ -84,10 +94,7 @@ def fp32_runs(tmp_path_factory):
 def test_trainer_matches_eager(fp32_runs, tmp_path, bf16, tol):
     output_dir, eager, compiled = fp32_runs if not bf16 else (tmp_path, *run_both(tmp_path, bf16=True))
     assert_close(history(compiled), history(eager), tol)
-    for step in (2, 4):
-        saved = load_file(output_dir / "loracc" / f"checkpoint-{step}" / "adapter_model.safetensors")
-        reference = load_file(output_dir / "eager" / f"checkpoint-{step}" / "adapter_model.safetensors")
-        assert saved.keys() == reference.keys()
+    for _, saved, reference in saved_adapters(output_dir):
         for key, tensor in reference.items():
             if bf16:  # Adam turns bf16 rounding noise in tiny gradients into ±lr steps: compare norms
                 assert rel_err(saved[key].float(), tensor.float()) <= tol, key
