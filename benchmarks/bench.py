@@ -370,7 +370,7 @@ def _loracc_notes(peft_model, budget) -> str:
 
     explained = loracc.explain(peft_model)
     fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
-    graphs = [f"{r.name} {d}" for r in explained.regions for d in r.cuda_graphs]
+    graphs = explained.cuda_graphs
     return (f"memory_budget={budget!r}, backend {explained.backend}, "
             f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
             f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "

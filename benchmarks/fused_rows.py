@@ -153,7 +153,7 @@ def step(workload: str, variant: str, steps: int) -> dict:
     ms = _median_ms(one, steps)
     tokens = spec["batch"] * spec["seq"]
     peak = torch.cuda.max_memory_allocated()
-    graphs = [f"{r.name}: {d}" for r in loracc.explain(peft_model).regions for d in r.cuda_graphs] if variant.startswith("loracc") else []
+    graphs = loracc.explain(peft_model).cuda_graphs if variant.startswith("loracc") else []
     return dict(workload=workload, variant=variant, step_ms=ms, tokens_per_s=tokens / ms * 1e3,
                 peak_memory_bytes=peak, first_step_s=first, losses=[float(x) for x in losses[:4]], cuda_graphs=graphs)
 

@@ -63,7 +63,7 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
     regions = [(r, r.latest) for r in peft_model._loracc.regions if r.latest is not None]
     runs = [(program, len(region.modules) if region.kind == "block" else 1) for region, program in regions]
     # What cuda_graphs="auto" (the default with memory_budget=None) decided: kept graphs hold memory.
-    record["cuda_graphs"] = [f"{r.name} {d}" for r in loracc.explain(peft_model).regions for d in r.cuda_graphs]
+    record["cuda_graphs"] = loracc.explain(peft_model).cuda_graphs
     record["persistent_bytes"] = persistent_bytes(peft_model)
     record["predicted_peak_bytes"] = predicted_peak_bytes(runs, record["persistent_bytes"])
     record["regions"] = [

@@ -43,6 +43,11 @@ class Report:
     predicted_peak_bytes: int | None = None
     eager_parts: list[str] = field(default_factory=list)
 
+    @property
+    def cuda_graphs(self) -> list[str]:
+        """Each compiled graph's CUDA-graph decision, after its region's name."""
+        return [f"{r.name} {d}" for r in self.regions for d in r.cuda_graphs]
+
     def __str__(self) -> str:
         lines = [
             f"loracc: backend {self.backend}, {self.trainable_params:,} trainable / {self.frozen_params:,} frozen parameters",
