@@ -126,8 +126,10 @@ def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bia
     "lora_in_is_x,need_grad_x,need_grad_lora_in",
     [(True, True, False), (False, True, True), (True, False, False), (False, True, False), (False, False, True)],
 )
-def test_lora_linear_backward_op(force_choice, dtype, candidates, lora_in_is_x, need_grad_x, need_grad_lora_in):
-    layer = _layer(dtype, torch.float32, 4, False, lead=(3, 13))
+@pytest.mark.parametrize("adapters_in_base_dtype", [False, True])
+def test_lora_linear_backward_op(force_choice, dtype, candidates, lora_in_is_x, need_grad_x, need_grad_lora_in,
+                                 adapters_in_base_dtype):
+    layer = _layer(dtype, dtype if adapters_in_base_dtype else torch.float32, 4, False, lead=(3, 13))
     lora_in = layer["x"] if lora_in_is_x else torch.nn.functional.dropout(layer["x"], 0.3)
     grad_y = randn(3, 13, OUT, dtype=dtype)
     args = (grad_y, lora_in, layer["weight"], layer["lora_a"], layer["lora_b"], layer["scale"],

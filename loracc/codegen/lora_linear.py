@@ -153,10 +153,12 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a
     out_features, in_features = weight.shape
     gy2 = _rows(grad_y, out_features)
     lin2 = _rows(lora_in, in_features)
+    # fp32 adapters next to a 16-bit base: cast once here, for every product below.
+    a_c, b_c = lora_a.to(gy2.dtype), lora_b.to(gy2.dtype)
     flags = (lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x)
-    grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, scale, flags)
-    args = (gy2, lin2, grad_u, lora_a, lora_b, scale)
-    key = _key("lora_linear_grad_adapters", *args[:-1])
+    grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags)
+    args = (gy2, lin2, grad_u, a_c, scale, lora_a.dtype)
+    key = _key("lora_linear_grad_adapters", gy2, lin2, grad_u, lora_a)
     impl = _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}",
                  ADAPTER_GRADS, args, lora_a.dtype)
     grad_a, grad_b = impl(*args)
@@ -164,22 +166,24 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a
     return (
         or_empty(None if grad_x is None else grad_x.reshape(*lead, in_features), grad_y),
         or_empty(None if grad_lin is None else grad_lin.reshape(lora_in.shape), grad_y),
-        grad_a.to(lora_a.dtype),
-        grad_b.to(lora_b.dtype),
+        grad_a,
+        grad_b,
         or_empty(gy2.sum(0) if need_grad_bias else None, grad_y),
     )
 
 
-def _grad_input(gy2, weight, lora_a, lora_b, scale, flags):
+def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
     """``(dU, dX, dX')``: dU = s·dY@B; dX = dY@W (+ dU@A when the LoRA branch reads x itself); dX' = dU@A.
 
-    The template covers the two cases of training (the branch reads x, or a dropped-out x whose
-    gradient is needed too); the others (no input gradient at all, in a first layer) are cuBLAS.
+    ``a_c``, ``b_c`` are the adapters in ``gy2``'s dtype (the cuBLAS candidates' operands); the
+    template reads ``lora_a``, ``lora_b`` as they are. The template covers the two cases of training
+    (the branch reads x, or a dropped-out x whose gradient is needed too); the others (no input
+    gradient at all, in a first layer) are cuBLAS.
     """
     lora_in_is_x, need_grad_x, need_grad_lin = flags
-    args = (gy2, weight, lora_a, lora_b, scale)
-    key = _key("lora_linear_backward", *args[:-1], flags=flags)
+    key = _key("lora_linear_backward", gy2, weight, lora_a, lora_b, flags=flags)
     impl = _plans.get(key)
+    args = (gy2, weight, lora_a, lora_b, a_c, b_c, scale)
     if impl is None:
         impls = {"cublas": functools.partial(_grad_input_cublas, flags, False),
                  "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
@@ -198,7 +202,7 @@ def _grad_input(gy2, weight, lora_a, lora_b, scale, flags):
     return impl(*args)
 
 
-def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, scale):
+def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
     rows = gy2.shape[0]
     grad_u = gy2.new_empty(rows, gemm.rank, dtype=torch.float32)
     grad_x = gy2.new_empty(rows, gemm.in_features)
@@ -207,10 +211,14 @@ def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, scale):
     return grad_u, grad_x, grad_lin
 
 
-def _grad_input_cublas(flags, lora_first, gy2, weight, lora_a, lora_b, scale):
+def _scaled_mm(a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``scale·(a@b)`` as one GEMM (the scale in its epilogue, not a second kernel over the result)."""
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
+
+
+def _grad_input_cublas(flags, lora_first, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
     lora_in_is_x, need_grad_x, need_grad_lin = flags
-    a_c = lora_a.to(gy2.dtype)
-    grad_u = torch.mm(gy2, lora_b.to(gy2.dtype)).mul_(scale)
+    grad_u = _scaled_mm(gy2, b_c, scale)
     grad_x = grad_lin = None
     if need_grad_x and lora_in_is_x:
         grad_x = torch.mm(grad_u, a_c).addmm_(gy2, weight) if lora_first else torch.mm(gy2, weight).addmm_(grad_u, a_c)
@@ -221,19 +229,29 @@ def _grad_input_cublas(flags, lora_first, gy2, weight, lora_a, lora_b, scale):
     return grad_u, grad_x, grad_lin
 
 
-def _adapter_grads(transposed, gy2, lin2, grad_u, lora_a, lora_b, scale):
-    """``(dA, dB)`` = ``(dUᵀ@lora_in, s·dYᵀ@u)``, ``u = lora_in@Aᵀ``; ``transposed`` computes their transposes.
+def _mm_to(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a@b`` in ``dtype``: fp32 from 16-bit CUDA operands comes straight from the GEMM's fp32
+    accumulator (no cast kernel after it, no rounding to 16 bits on the way)."""
+    if dtype == a.dtype:
+        return torch.mm(a, b)
+    if a.is_cuda and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
 
-    Both forms are the same three rank-r GEMMs; cuBLAS picks other kernels for the two layouts,
-    and which is faster depends on the shape.
+
+def _adapter_grads(transposed, gy2, lin2, grad_u, a_c, scale, grad_dtype):
+    """``(dA, dB)`` = ``(dUᵀ@lora_in, s·dYᵀ@u)`` in ``grad_dtype`` (the adapters'), ``u = lora_in@Aᵀ``;
+    ``transposed`` computes their transposes.
+
+    Both forms are the same three rank-r GEMMs (the scale goes into ``u``'s); cuBLAS picks other
+    kernels for the two layouts, and which is faster depends on the shape.
     """
-    dtype = lin2.dtype
-    a_c, grad_u = lora_a.to(dtype), grad_u.to(dtype)
+    grad_u = grad_u.to(lin2.dtype)
     if transposed:
-        u_t = torch.mm(a_c, lin2.t())
-        return torch.mm(lin2.t(), grad_u).t().contiguous(), torch.mm(u_t, gy2).mul_(scale).t().contiguous()
-    u = torch.mm(lin2, a_c.t())
-    return torch.mm(grad_u.t(), lin2), torch.mm(gy2.t(), u).mul_(scale)
+        u_t = _scaled_mm(a_c, lin2.t(), scale)
+        return _mm_to(lin2.t(), grad_u, grad_dtype).t().contiguous(), _mm_to(u_t, gy2, grad_dtype).t().contiguous()
+    u = _scaled_mm(lin2, a_c.t(), scale)
+    return _mm_to(grad_u.t(), lin2, grad_dtype), _mm_to(gy2.t(), u, grad_dtype)
 
 
 ADAPTER_GRADS = {"cublas": functools.partial(_adapter_grads, False), "cublas transposed": functools.partial(_adapter_grads, True)}
