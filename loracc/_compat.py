@@ -51,6 +51,15 @@ def _without_saved_tensors_hooks():
             hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether tensors saved for the backward now go through saved-tensor hooks (gradient
+    checkpointing, offloading): what a Function saves is then not simply kept."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except RuntimeError:  # hooks disabled: none apply
+        return False
+
+
 @contextlib.contextmanager
 def _preserve_meta():
     import torch.fx.traceback as fx_traceback

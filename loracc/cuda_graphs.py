@@ -1,72 +1,138 @@
 """Replaying a compiled graph as a CUDA graph: one launch instead of hundreds of Python-issued kernels.
 
 A region's forward or backward runs the same kernels on the same shapes at every call; only the
-tensors differ (every layer of a block brings its own weights and activations). ``Graphed`` runs
-the function once to warm it up, captures it into a CUDA graph over static copies of its inputs,
-and at each call copies the call's inputs into those buffers, replays the graph, and hands back
-fresh copies of its outputs (the static outputs are overwritten by the next replay: the next
-layer). An output that is one of the inputs (a weight the forward hands to the backward) is
-returned as the caller's own tensor, not copied.
+tensors differ. ``Graphed`` captures the function into a CUDA graph over a fixed set of input
+tensors; at each call it copies the call's inputs into those it does not share with the caller,
+replays, and hands back fresh copies of the outputs that the next replay would overwrite.
 
-Costs, against the Python and launch overhead it removes: the copies of the inputs and outputs
-(for a block layer, its weights and what its forward saves), and memory: the static inputs and
-outputs of each graph, and the workspace of one call. Every graph of a model captures into one
-shared memory pool (``SharedPool``), so the workspaces of different graphs overlap (they never run
-at once: one stream, and each graph's temporaries are dead when it returns).
+Two kinds of graph, by what they copy:
+
+- **Per layer** (the normal training call): every layer of a block gets its own forward graph,
+  captured over that layer's own weights (its parameters are read in place: never copied), and its
+  own backward graph, captured over what that layer's forward graph saved. The forward hands the
+  tensors it saves for the backward out of its static outputs without copying them (*lends* them,
+  ``Lease``); the backward reads them where they are. Only the activations that flow between
+  layers are copied in and out. Copying the saved activations out of a shared graph and back into
+  it cost a Qwen2-0.5B step ~12 ms of its ~87 on an H100 (about 14 GB of copies per step).
+- **Copy** (one graph shared by every layer, every input copied in and every output copied out):
+  for calls whose saved tensors go through saved-tensor hooks (gradient checkpointing), which the
+  per-layer graphs cannot lend to, and for a backward whose forward was not replayed per layer.
+
+Memory: every graph of a model captures into one shared pool (``SharedPool``), so their
+workspaces overlap: the graphs never run at once, and a graph's temporaries are dead when it
+returns. A lent output must survive other graphs' replays until its backward has read it. Within
+the pool, a graph's outputs can only have been placed where graphs captured *before* it keep their
+temporaries (while a graph holds its outputs, no later capture is given that memory). So a graph may
+replay only while every lent output comes from a graph captured before it (``SharedPool.may_replay``);
+otherwise it is captured again (it then comes after them) or, past ``max_captures``, runs from
+Python. A training loop settles within two steps into the order forwards 0..n then backwards n..0,
+in which no replay ever waits. A lease is released by its backward (or when autograd drops the
+call's context); a second backward through the same call (``retain_graph=True``) checks that no
+replay has overwritten the lent outputs since (``Lease.intact``) and otherwise raises.
 
 ``Replayer`` decides per graph, after its first call (which compiles and autotunes); the Triton
 backend gives one to each graph of a repeated block (and with ``cuda_graphs=True`` to every graph):
 
-- ``mode="on"``: capture at the second call and replay from then on;
+- ``mode="on"``: capture from the second call on and replay;
 - ``mode="auto"``: time the second and third calls run from Python (kernel launches included,
-  synchronized), then capture, time the replay (best of three), and keep the graph only if a replay
+  synchronized), then capture, time the replay (best of three), and keep graphs only if a replay
   takes at most ``KEEP_BELOW`` of the faster Python call: a step bound by launching kernels (small
   hidden sizes) gains, a GPU-bound one would only pay the copies and the memory. Two Python calls,
   because one taken in the first step can include the caching allocator growing (on an H100, one
   such call made a Llama-3.2-1B layer look 1.28× slower than a replay: a graph kept for nothing but
   its memory). A backward given ``after=`` its forward waits for the forward's decision and tries
-  only if that forward kept its graph (so a GPU-bound model never captures its backward, where the
+  only if that forward kept its graphs (so a GPU-bound model never captures its backward, where the
   step's memory peaks).
 """
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
+from ._compat import saved_tensors_hooks_active
+from .errors import LoraccError
+
 log = logging.getLogger("loracc")
 
+_PYTHON = object()  # Replayer._key: this call runs from Python
 KEEP_BELOW = 0.8  # mode "auto": a graph stays when a replay takes at most this fraction of a Python call
 PYTHON_TIMINGS = 2  # mode "auto": Python calls timed before the capture (the fastest counts)
 
 
 class SharedPool:
-    """The memory pool the graphs of one model capture into. PyTorch frees a pool with the last
-    graph that uses it, and a freed pool's handle must not be captured into again: so the handle is
-    taken from a graph still alive, and a new pool is started when there is none."""
+    """The memory pool the graphs of one model capture into, and what they have lent.
+
+    PyTorch frees a pool with the last graph that uses it, and a freed pool's handle must not be
+    captured into again: so the handle is taken from a graph still alive (``graphs``: every graph
+    captured while graphs are kept, never dropped; a replaced graph's tensors are freed, and their
+    memory reused by later captures)."""
 
     def __init__(self):
-        self.graphs: list[torch.cuda.CUDAGraph] = []  # the graphs kept (never dropped)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.captures = 0  # capture order: Graphed.seq
+        self.replays = 0  # replay clock: Graphed.last_replay, Lease.at
+        self.live: weakref.WeakSet[Graphed] = weakref.WeakSet()
+        self.lent: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     def handle(self):
         return self.graphs[0].pool() if self.graphs else torch.cuda.graph_pool_handle()
 
+    def may_replay(self, graphed: "Graphed") -> bool:
+        """Whether a replay of ``graphed`` leaves every lent output as it is (see the module's docstring)."""
+        return all(lease.graphed.seq < graphed.seq for lease in self.lent)
+
+    def added(self, graphed: "Graphed") -> None:
+        self.captures += 1
+        graphed.seq = self.captures
+        self.live.add(graphed)
+
+
+class Lease:
+    """The outputs a forward graph's replay lent to its backward (held by the call's autograd context)."""
+
+    def __init__(self, graphed: "Graphed", pool: SharedPool):
+        self.graphed, self.pool, self.at = graphed, pool, pool.replays
+        pool.lent.add(self)
+
+    def release(self) -> None:
+        self.pool.lent.discard(self)
+
+    def intact(self) -> bool:
+        """Whether the lent outputs still hold what the forward wrote: lent still, or no graph that
+        may have overwritten them (one captured before theirs, or theirs) has replayed since."""
+        if self in self.pool.lent:
+            return True
+        return not any(g.seq <= self.graphed.seq and g.last_replay > self.at for g in self.pool.live)
+
 
 class Graphed:
-    def __init__(self, fn, inputs: list[torch.Tensor], pool=None):
-        self.static_inputs = [t.clone() for t in inputs]
+    """``fn`` captured over ``static_inputs``: the first ``fixed`` are the caller's own tensors
+    (read in place; a call must pass those very tensors), the others are buffers each call's
+    inputs are copied into. Outputs from index ``lend_from`` on are returned as they are (lent),
+    the others as copies (an output that is an input: the caller's tensor)."""
+
+    def __init__(self, fn, static_inputs: list[torch.Tensor], pool=None, fixed: int = 0, lend_from: int | None = None):
+        self.static_inputs, self.fixed = static_inputs, fixed
+        self.lend_from = len(static_inputs) + 10**9 if lend_from is None else lend_from
+        self.seq, self.last_replay = 0, 0
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(*self.static_inputs)  # warm-up, as capture requires
+            fn(*self.static_inputs)  # warm-up, as capture requires (the graphs never write their inputs)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(self.graph, pool=pool):
             outputs = fn(*self.static_inputs)
         self.static_outputs = list(outputs)
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
         self.passthrough = [ids.get(id(t)) for t in self.static_outputs]
+
+    @property
+    def lends(self) -> bool:
+        return self.lend_from < len(self.static_outputs)
 
     def __call__(self, *inputs):
         for i, (static, t) in enumerate(zip(self.static_inputs, inputs)):
@@ -75,42 +141,70 @@ class Graphed:
                 raise RuntimeError(f"CUDA graph input {i}: {t.dtype}{list(t.shape)}, captured for "
                                    f"{static.dtype}{list(static.shape)}")
             if static.data_ptr() != t.data_ptr():
+                if i < self.fixed:  # would overwrite another layer's weights or lent outputs
+                    raise RuntimeError(f"CUDA graph input {i} is not the tensor the graph was captured over")
                 static.copy_(t)
         self.graph.replay()
-        return [inputs[i] if i is not None else out.clone() if isinstance(out, torch.Tensor) else out
-                for out, i in zip(self.static_outputs, self.passthrough)]
+        return [inputs[i] if i is not None else out if j >= self.lend_from or not isinstance(out, torch.Tensor)
+                else out.clone() for j, (out, i) in enumerate(zip(self.static_outputs, self.passthrough))]
 
 
 class Replayer:
-    """``fn`` run from Python at its first call; from the second on, as a CUDA graph when ``mode``
+    """``fn`` run from Python at its first call; from the second on, as CUDA graphs when ``mode``
     says so (see the module's docstring). A capture that fails leaves it in Python, with the reason
-    logged. ``decision`` says what was decided and why (None until decided)."""
+    logged. ``decision`` says what was decided and why (None until decided).
 
-    def __init__(self, fn, name: str, mode: str = "on", pool: SharedPool | None = None, after: "Replayer | None" = None):
+    ``fixed_inputs``: how many leading inputs are the same tensors at every call of one layer (a
+    forward's module parameters and buffers; a backward's saved tensors); ``lend_from``: the index
+    of a forward's first saved output (None for a backward). ``max_captures`` bounds the captures
+    (a block: a few per layer) before a call that needs a new one runs from Python instead.
+    """
+
+    def __init__(self, fn, name: str, mode: str = "on", pool: SharedPool | None = None, after: "Replayer | None" = None,
+                 fixed_inputs: int = 0, lend_from: int | None = None, max_captures: int = 8):
         if mode not in ("on", "auto"):
             raise ValueError(f"Replayer mode must be 'on' or 'auto', got {mode!r}")
         self.fn, self.name, self.mode, self.after = fn, name, mode, after
         self.pool = pool if pool is not None else SharedPool()
-        self.calls = 0
-        self.graphed: Graphed | None = None
+        self.fixed_inputs, self.lend_from, self.max_captures = fixed_inputs, lend_from, max_captures
+        self.calls = self.captures = 0
+        self.kept = False
+        self.layer_graphs: dict = {} if after is None else weakref.WeakKeyDictionary()  # by weights / by forward graph
+        self.copy_graph: Graphed | None = None
+        self.static: dict[int, torch.Tensor] = {}  # the buffers copied inputs go to, shared by every graph
+        self.lease: Lease | None = None  # a forward's latest lease, until the runtime takes it
         self.failed: str | None = None
         self.decision: str | None = None
         self.python_s: list[float] = []  # mode "auto": the Python calls timed so far
 
     @property
+    def graphed(self) -> Graphed | None:
+        """The graph captured last, while graphs are kept."""
+        graphs = [*self.layer_graphs.values(), self.copy_graph]
+        graphs = [g for g in graphs if g is not None]
+        return max(graphs, key=lambda g: g.seq) if self.kept and graphs else None
+
+    @property
     def may_graph(self) -> bool:
         """Whether this graph replays, or may still decide to (for the predicted peak)."""
-        return self.graphed is not None or self.decision is None
+        return self.kept or self.decision is None
 
-    def __call__(self, *inputs):
+    def take_lease(self) -> Lease | None:
+        lease, self.lease = self.lease, None
+        return lease
+
+    def __call__(self, *inputs, lease: Lease | None = None):
         self.calls += 1
-        if self.graphed is not None:
-            return self.graphed(*inputs)
+        self.lease = None
+        if self.kept:
+            return self._replay(inputs, lease)
         if self.calls < 2 or self.decision is not None or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             return self.fn(*inputs)
-        if self.mode == "auto" and self.after is not None and self.after.graphed is None:
+        if self.mode == "auto" and self.after is not None and not self.after.kept:
             if self.after.decision is not None:  # the forward stays in Python; undecided, wait for it
                 self.decision = f"runs from Python, as {self.after.name} does"
+            return self.fn(*inputs)
+        if self._key(inputs, lease) is _PYTHON:
             return self.fn(*inputs)
         outputs = None
         if self.mode == "auto":
@@ -119,10 +213,8 @@ class Replayer:
             if len(self.python_s) < PYTHON_TIMINGS:
                 return outputs
             python_s = min(self.python_s)
-        try:
-            graphed = Graphed(self.fn, list(inputs), self.pool.handle())
-        except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
-            self.failed = f"{type(exc).__name__}: {exc}"
+        graphed = self._capture(inputs, lease)
+        if graphed is None:
             self.decision = f"runs from Python: the capture failed ({self.failed})"
             # cuda_graphs=True asked for a graph: say so; "auto" only tried one (explain() says why not)
             (log.warning if self.mode == "on" else log.info)("loracc: %s runs without a CUDA graph: %s", self.name, self.failed)
@@ -131,19 +223,91 @@ class Replayer:
         if self.mode == "on":
             self._keep(graphed, "CUDA graph (cuda_graphs=True)")
             log.info("captured %s as a CUDA graph", self.name)
-            return graphed(*inputs)
+            return self._run(graphed, inputs)
         replay_s = min(_timed(lambda: graphed(*inputs))[0] for _ in range(3))
         timing = f"replay {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms from Python"
         if replay_s <= KEEP_BELOW * python_s:
             self._keep(graphed, f"CUDA graph ({timing})")
         else:
             self.decision = f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)"
+            self.layer_graphs.clear()
+            self.copy_graph = None
         log.info("%s: %s", self.name, self.decision)
         return outputs
 
     def _keep(self, graphed: Graphed, decision: str) -> None:
-        self.graphed, self.decision = graphed, decision
+        self.kept, self.decision = True, decision
         self.pool.graphs.append(graphed.graph)
+
+    # -- per call, once graphs are kept ---------------------------------------------------------
+
+    def _key(self, inputs, lease):
+        """Which graph serves this call: the layer's own (by its weights, or by the forward graph
+        whose outputs it reads), the copy graph (None), or none (``_PYTHON``: a backward without a
+        lease whose forward never replayed in copy mode: its forward ran from Python, e.g. a first
+        call; a copy graph for it would hold a layer's saved tensors for that call alone)."""
+        if self.after is None:
+            if self.fixed_inputs and not saved_tensors_hooks_active():
+                return tuple(t.data_ptr() for t in inputs[: self.fixed_inputs])
+            return None
+        if lease is not None:
+            return lease.graphed
+        return None if self.after.copy_graph is not None else _PYTHON
+
+    def _replay(self, inputs, lease):
+        key = self._key(inputs, lease)
+        if key is _PYTHON:
+            return self.fn(*inputs)
+        graphed = self.copy_graph if key is None else self.layer_graphs.get(key)
+        if graphed is None or not self.pool.may_replay(graphed):
+            if self.captures >= self.max_captures:
+                return self.fn(*inputs)
+            graphed = self._capture(inputs, lease)
+            if graphed is None:
+                log.info("loracc: %s call runs from Python: the capture failed (%s)", self.name, self.failed)
+                return self.fn(*inputs)
+            self.pool.graphs.append(graphed.graph)
+        return self._run(graphed, inputs)
+
+    def _run(self, graphed: Graphed, inputs):
+        self.pool.replays += 1
+        graphed.last_replay = self.pool.replays
+        outputs = graphed(*inputs)
+        if graphed.lends:
+            self.lease = Lease(graphed, self.pool)
+        return outputs
+
+    def _capture(self, inputs, lease) -> Graphed | None:
+        """Capture the graph for this call (replacing the one it had), or None if capturing failed."""
+        key = self._key(inputs, lease)
+        fixed = 0 if key is None else self.fixed_inputs
+        static = list(inputs[:fixed])
+        for i, t in enumerate(inputs[fixed:], start=fixed):
+            buffer = self.static.get(i)
+            if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+                buffer = self.static[i] = torch.empty_like(t)
+            static.append(buffer.copy_(t))
+        self.captures += 1
+        try:
+            graphed = Graphed(self.fn, static, self.pool.handle(), fixed=fixed,
+                              lend_from=self.lend_from if key is not None else None)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
+            self.failed = f"{type(exc).__name__}: {exc}"
+            return None
+        self.pool.added(graphed)
+        if key is None:
+            self.copy_graph = graphed
+        else:
+            self.layer_graphs[key] = graphed
+        return graphed
+
+
+def check_lease(lease: Lease | None) -> None:
+    """Before a backward reads what a replayed forward lent: raise if a replay has overwritten it."""
+    if lease is not None and not lease.intact():
+        raise LoraccError(
+            "loracc: a second backward through a layer replayed as a CUDA graph (retain_graph=True), after "
+            "other replays overwrote what its forward saved; compile with cuda_graphs=False to run backward twice")
 
 
 def _timed(fn):

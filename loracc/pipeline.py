@@ -76,11 +76,14 @@ def compile_call(
     reports["memory_plan"] = memory
 
     out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
-    forward = backend.compile(parts.forward, "forward", repeats=repeats)
+    # A layer's parameters are the same tensors at every call, and so is what its forward saves
+    # (replayed as CUDA graphs: read in place, see cuda_graphs).
+    n_saved = len(output_node(parts.forward).args[0]) - n_outputs
+    forward = backend.compile(parts.forward, "forward", repeats=repeats, fixed_inputs=len(state), lend_from=n_outputs)
     return Program(
         captured=captured,
         forward=forward,
-        backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats),
+        backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats, fixed_inputs=n_saved),
         n_inputs=len(inputs),
         n_outputs=n_outputs,
         differentiable=[v.is_floating_point() for v in out_vals],
@@ -91,22 +94,27 @@ def compile_call(
     )
 
 
-def cuda_graph_bytes(programs: list[Program]) -> int:
-    """What the CUDA graphs that replay (or may still decide to) keep allocated for good: each
-    graph's static inputs and outputs, plus the largest workspace among them (every graph captures
-    into one shared pool; see ``cuda_graphs``). An estimate from the memory plans."""
+def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
+    """What the CUDA graphs that replay (or may still decide to) keep allocated for good: the
+    buffers their copied inputs go to (one set per graph stage), the outputs each layer's graph keeps
+    besides what its forward lends its backward (that is counted with the step's saved activations),
+    and the largest workspace among them (every graph captures into one shared pool; see
+    ``cuda_graphs``). ``runs``: each program with how many times a step runs it. An estimate from
+    the memory plans."""
     from .cuda_graphs import Replayer
 
     held = workspace = 0
-    for program in programs:
+    for program, repeats in runs:
         for stage in ("forward", "backward"):
             fn = getattr(program, stage)
             if not (isinstance(fn, Replayer) and fn.may_graph):
                 continue
             graph = program.stages[stage]
-            outputs = sum(value_bytes(o.meta.get("val")) for o in output_node(graph).args[0] if isinstance(o, fx.Node))
-            held += sum(value_bytes(p.meta.get("val")) for p in placeholders(graph)) + outputs
-            workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - outputs)
+            outs = [value_bytes(o.meta.get("val")) if isinstance(o, fx.Node) else 0 for o in output_node(graph).args[0]]
+            kept = sum(outs[: fn.lend_from]) if fn.lend_from is not None else sum(outs)
+            copied = sum(value_bytes(p.meta.get("val")) for p in placeholders(graph)[fn.fixed_inputs:])
+            held += copied + kept * (repeats if fn.fixed_inputs else 1)
+            workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - sum(outs))
     return held + workspace
 
 
@@ -129,5 +137,5 @@ def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int)
             backward_peak_bytes=memory["backward"]["peak_bytes"],
             tangent_bytes=memory["tangent_bytes"],
         ))
-    return step_peak_bytes(regions, persistent_bytes) + cuda_graph_bytes([program for program, _ in runs])
+    return step_peak_bytes(regions, persistent_bytes) + cuda_graph_bytes(runs)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .capture import call_signature, module_state, tensor_key
-from .cuda_graphs import Replayer
+from .cuda_graphs import Replayer, check_lease
 from .errors import Unsupported
 from .pipeline import Program, compile_call
 
@@ -39,6 +39,9 @@ class _RegionFunction(torch.autograd.Function):
         results = program.forward(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
+        # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
+        # reads it in the graph's memory, and releases it.
+        ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, program.differentiable) if not d])
         return tuple(outputs)
@@ -47,7 +50,14 @@ class _RegionFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         program: Program = ctx.program
         tangents = [g.contiguous() for g, d in zip(grad_outputs, program.differentiable) if d]
-        grads = program.backward(*ctx.saved_tensors, *tangents)
+        lease = ctx.lease
+        check_lease(lease)
+        if isinstance(program.backward, Replayer):
+            grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
+        else:
+            grads = program.backward(*ctx.saved_tensors, *tangents)
+        if lease is not None:
+            lease.release()
         result = [None] * program.n_inputs
         for index, grad in zip(program.grad_inputs, grads):
             result[index] = grad

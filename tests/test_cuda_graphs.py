@@ -66,6 +66,41 @@ def test_replayed_steps_equal_the_same_kernels_run_from_python(family):
     assert all(f.decision in report for f in auto_fns)
 
 
+@gpu
+def test_two_forwards_before_a_backward_and_a_second_backward_get_pythons_gradients():
+    """Each layer's forward graph lends what it saves to its backward graph. Two forward passes
+    before one backward (two micro-batches, one loss) must not replay over the first pass's lent
+    tensors, and a second backward (retain_graph=True) reads them again: gradients as from Python."""
+    model, batch = presets.preset("qwen2", layers=3, seq=37)
+    model = model.cuda()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    halves = [{k: v[:1] for k, v in batch.items()}, {k: v[1:] for k, v in batch.items()}]
+    plain = loracc.compile(copy.deepcopy(model), backend="triton", cuda_graphs=False)
+    graphed = loracc.compile(model, backend="triton", cuda_graphs=True)
+
+    def gradients(m):
+        steps = []
+        for step in range(7):
+            if step < 3:  # settle: every layer's graphs captured in step order
+                m(**batch).loss.backward()
+            elif step == 3:
+                loss = m(**batch).loss
+                loss.backward(retain_graph=True)
+                loss.backward()
+            else:
+                sum(m(**half).loss for half in halves).backward()
+            steps.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            m.zero_grad(set_to_none=True)
+        return steps
+
+    for step, (got, want) in enumerate(zip(gradients(graphed), gradients(plain))):
+        assert got.keys() == want.keys() and want
+        for name in want:
+            assert rel_err(got[name], want[name]) <= 1e-6, (step, name)
+    (block,) = [r for r in graphed._loracc.regions if r.kind == "block"]
+    assert all(p.forward.kept and p.backward.kept and p.forward.layer_graphs for p in block.programs.values())
+
+
 def test_cuda_graphs_need_the_triton_backend_on_a_gpu():
     model, _ = presets.preset("llama")
     with pytest.raises(LoraccError, match="cuda_graphs=True needs the Triton backend on a CUDA device"):
@@ -105,7 +140,7 @@ def test_predicted_peak_counts_the_graphs_memory_until_they_are_dropped():
 
     model, runs = _compiled_with_replayers("auto")
     persistent = model._loracc.persistent_bytes
-    plain = predicted_peak_bytes([(p, r) for p, r in runs], persistent) - cuda_graph_bytes([p for p, _ in runs])
+    plain = predicted_peak_bytes(runs, persistent) - cuda_graph_bytes(runs)
     graphed = predicted_peak_bytes(runs, persistent)
     inputs = sum(value_bytes(t.meta.get("val")) for p, _ in runs for stage in ("forward", "backward")
                  for t in p.stages[stage].graph.find_nodes(op="placeholder"))
@@ -145,10 +180,12 @@ class _FakeGraphed:
 
     captured = []
 
-    def __init__(self, fn, inputs, pool=None):
+    def __init__(self, fn, inputs, pool=None, fixed=0, lend_from=None):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
         self.fn, self.pool, self.replays = fn, pool, 0
+        self.seq = self.last_replay = 0
+        self.lends = lend_from is not None  # the functions given lend_from have outputs past it
         self.graph = type("Graph", (), {"pool": lambda _self: ("pool of", id(self))})()
         _FakeGraphed.captured.append(self)
 
@@ -248,7 +285,7 @@ def test_auto_graphs_a_regions_first_call_signatures_only():
     model, batch = presets.preset("llama", layers=3, seq=12)
     model = loracc.compile(model, backend="eager")
     backend = model._loracc.backend
-    backend.compile = lambda gm, stage, after=None, repeats=1: Replayer(gm, f"{stage} graph", mode="auto", after=after)
+    backend.compile = lambda gm, stage, after=None, repeats=1, **_: Replayer(gm, f"{stage} graph", mode="auto", after=after)
     for seq in (12, 9, 7):
         model(**{k: v[:, :seq] for k, v in batch.items()}).loss.backward()
     (block,) = [r for r in model._loracc.regions if r.kind == "block"]
@@ -264,3 +301,102 @@ def test_auto_graphs_a_regions_first_call_signatures_only():
     block_decisions = [d for d in loracc.explain(model).cuda_graphs if d.startswith(block.name)]
     assert sum("graphs the first 2 call signatures" in d for d in block_decisions) == \
         2 * (len(programs) - AUTO_GRAPHED_SIGNATURES)
+
+
+def _two_outputs(name):
+    def fn(*inputs):
+        return [inputs[-1] + 1, inputs[-1] * 2]  # the second: saved for the backward (lent)
+
+    fn.__name__ = name
+    return fn
+
+
+def _layered(fake_capture, max_captures=20):
+    from loracc.cuda_graphs import SharedPool
+
+    pool = SharedPool()
+    forward = Replayer(_two_outputs("fwd"), "forward graph", mode="on", pool=pool, fixed_inputs=1, lend_from=1,
+                       max_captures=max_captures)
+    backward = Replayer(_two_outputs("bwd"), "backward graph", mode="on", pool=pool, after=forward, fixed_inputs=1,
+                        max_captures=max_captures)
+    return pool, forward, backward
+
+
+def _step(forward, backward, weights, x, forwards=1):
+    """``forwards`` forward passes over the layers, then their backwards (last pass first)."""
+    from loracc.cuda_graphs import check_lease
+
+    leases = []
+    for _ in range(forwards):
+        for w in weights:
+            assert torch.equal(forward(w, x)[1], x * 2)
+            leases.append((w, forward.take_lease()))
+    for w, lease in reversed(leases):
+        check_lease(lease)
+        assert torch.equal(backward(w, x, lease=lease)[0], x + 1)
+        if lease is not None:
+            lease.release()
+    return [lease for _, lease in leases]
+
+
+def test_each_layer_replays_its_own_graphs_and_settles_in_step_order(fake_capture):
+    pool, forward, backward = _layered(fake_capture)
+    weights, x = [torch.randn(3) for _ in range(3)], torch.randn(3)
+    for _ in range(3):
+        leases = _step(forward, backward, weights, x)
+    settled = pool.captures
+    for _ in range(3):
+        leases = _step(forward, backward, weights, x)
+    assert pool.captures == settled  # forwards 0..n then backwards n..0: no replay ever waits
+    graphs = list(forward.layer_graphs.values())
+    assert len(graphs) == len(weights)
+    assert forward.copy_graph is None and backward.copy_graph is None  # nothing copied whole
+    # every forward lent, every backward read its own forward's graph and released the lease
+    assert all(lease is not None for lease in leases) and not list(pool.lent)
+    assert {lease.graphed for lease in leases} == set(graphs)
+    backward_graphs = [backward.layer_graphs[g] for g in graphs]
+    # capture order: every forward graph before every backward graph
+    assert max(g.seq for g in graphs) < min(g.seq for g in backward_graphs)
+
+
+def test_a_replay_that_could_overwrite_a_lent_output_captures_again(fake_capture):
+    from loracc.cuda_graphs import LoraccError, check_lease
+
+    pool, forward, backward = _layered(fake_capture)
+    weights, x = [torch.randn(3) for _ in range(2)], torch.randn(3)
+    for _ in range(3):
+        _step(forward, backward, weights, x)
+    settled = pool.captures
+    # two forward passes before the backwards (two micro-batches, one backward): the second pass
+    # may not replay over the first one's lent outputs, so each of its layers captures again
+    leases = _step(forward, backward, weights, x, forwards=2)
+    assert all(lease is not None for lease in leases)
+    assert pool.captures > settled and not list(pool.lent)
+
+    # a lease released and then overwritten (a second backward, retain_graph=True) says so
+    lease = _step(forward, backward, weights, x)[0]
+    assert lease.intact()  # nothing replayed since its backward
+    forward(weights[0], x)
+    forward.take_lease().release()
+    assert not lease.intact()
+    with pytest.raises(LoraccError, match="retain_graph"):
+        check_lease(lease)
+
+
+def test_past_max_captures_calls_run_from_python(fake_capture):
+    pool, forward, backward = _layered(fake_capture, max_captures=2)
+    weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
+    for _ in range(2):
+        leases = _step(forward, backward, weights, x)
+    assert len(forward.layer_graphs) == 2 and sum(lease is None for lease in leases) == 2
+
+
+def test_saved_tensor_hooks_replay_one_copy_graph_that_lends_nothing(fake_capture):
+    pool, forward, backward = _layered(fake_capture)
+    weights, x = [torch.randn(3) for _ in range(3)], torch.randn(3)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for _ in range(3):
+            leases = _step(forward, backward, weights, x)
+    assert forward.copy_graph is not None and not forward.layer_graphs
+    assert backward.copy_graph is not None and not backward.layer_graphs
+    assert leases == [None] * len(weights)

@@ -30,7 +30,7 @@ class EagerBackend:
     def __init__(self, device: torch.device):
         pass
 
-    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, **graph_inputs):
         return gm
 
 
@@ -74,10 +74,10 @@ class DeviceBackends:
         """What each fused node of the graphs compiled so far runs as (the Triton backends' reports)."""
         return [entry for b in self.by_device.values() for entry in getattr(b, "report", [])]
 
-    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, **graph_inputs):
         backend = self.on(_graph_device(gm, self.device))
         self.used[backend.name] = None
-        return backend.compile(gm, stage, after=after, repeats=repeats)
+        return backend.compile(gm, stage, after=after, repeats=repeats, **graph_inputs)
 
 
 def _graph_device(gm: fx.GraphModule, default: torch.device) -> torch.device:

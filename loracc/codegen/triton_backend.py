@@ -55,9 +55,11 @@ class TritonBackend:
         self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
         self._pool = SharedPool()  # one memory pool for every graph of the model
 
-    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1):
+    def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
+                lend_from: int | None = None):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
-        ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers)."""
+        ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
+        ``fixed_inputs``, ``lend_from``: see ``cuda_graphs.Replayer``."""
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
         for node in gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
@@ -102,4 +104,5 @@ class TritonBackend:
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):
             return gm
         return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
-                        after=after if isinstance(after, Replayer) else None)
+                        after=after if isinstance(after, Replayer) else None, fixed_inputs=fixed_inputs,
+                        lend_from=lend_from, max_captures=3 * repeats + 4)
