@@ -65,20 +65,20 @@ PYTHON_TIMINGS = 2  # mode "auto": Python calls timed before the capture (the fa
 class SharedPool:
     """The memory pool the graphs of one model capture into, and what they have lent.
 
-    PyTorch frees a pool with the last graph that uses it, and a freed pool's handle must not be
-    captured into again: so the handle is taken from a graph still alive (``graphs``: every graph
-    captured while graphs are kept, never dropped; a replaced graph's tensors are freed, and their
-    memory reused by later captures)."""
+    PyTorch frees a pool with the last graph that uses it (a replaced or dropped graph's memory is
+    reused by later captures), and a freed pool's handle must not be captured into again: so the
+    handle is taken from a graph still alive, and a new pool is started when there is none."""
 
     def __init__(self):
-        self.graphs: list[torch.cuda.CUDAGraph] = []
         self.captures = 0  # capture order: Graphed.seq
         self.replays = 0  # replay clock: Graphed.last_replay, Lease.at
         self.live: weakref.WeakSet[Graphed] = weakref.WeakSet()
         self.lent: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     def handle(self):
-        return self.graphs[0].pool() if self.graphs else torch.cuda.graph_pool_handle()
+        for graphed in self.live:
+            return graphed.graph.pool()
+        return torch.cuda.graph_pool_handle()
 
     def may_replay(self, graphed: "Graphed") -> bool:
         """Whether a replay of ``graphed`` leaves every lent output as it is (see the module's docstring)."""
@@ -109,13 +109,15 @@ class Lease:
 
 
 class Graphed:
-    """``fn`` captured over ``static_inputs``: the first ``fixed`` are the caller's own tensors
-    (read in place; a call must pass those very tensors), the others are buffers each call's
-    inputs are copied into. Outputs from index ``lend_from`` on are returned as they are (lent),
+    """``fn`` captured over ``static_inputs``: those marked ``in_place`` are the caller's own
+    tensors (read where they are; a call must pass those very tensors), the others are buffers each
+    call's inputs are copied into. Outputs from index ``lend_from`` on are returned as they are (lent),
     the others as copies (an output that is an input: the caller's tensor)."""
 
-    def __init__(self, fn, static_inputs: list[torch.Tensor], pool=None, fixed: int = 0, lend_from: int | None = None):
-        self.static_inputs, self.fixed = static_inputs, fixed
+    def __init__(self, fn, static_inputs: list[torch.Tensor], pool=None, in_place: tuple[bool, ...] = (),
+                 lend_from: int | None = None):
+        self.static_inputs = static_inputs
+        self.in_place = tuple(in_place) + (False,) * (len(static_inputs) - len(in_place))
         self.lend_from = len(static_inputs) + 10**9 if lend_from is None else lend_from
         self.seq, self.last_replay = 0, 0
         self.graph = torch.cuda.CUDAGraph()
@@ -141,7 +143,7 @@ class Graphed:
                 raise RuntimeError(f"CUDA graph input {i}: {t.dtype}{list(t.shape)}, captured for "
                                    f"{static.dtype}{list(static.shape)}")
             if static.data_ptr() != t.data_ptr():
-                if i < self.fixed:  # would overwrite another layer's weights or lent outputs
+                if self.in_place[i]:  # would overwrite another layer's weights or lent outputs
                     raise RuntimeError(f"CUDA graph input {i} is not the tensor the graph was captured over")
                 static.copy_(t)
         self.graph.replay()
@@ -229,15 +231,23 @@ class Replayer:
         if replay_s <= KEEP_BELOW * python_s:
             self._keep(graphed, f"CUDA graph ({timing})")
         else:
-            self.decision = f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)"
-            self.layer_graphs.clear()
-            self.copy_graph = None
+            self._drop(f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)")
+            if self.after is not None and self.after.kept:
+                # A forward graph alone would keep every layer's saved tensors in the graphs' pool
+                # after the backward read them, where the backward's own allocations cannot reuse them.
+                self.after._drop(f"runs from Python: its backward does, and forward graphs alone would hold the "
+                                 f"saved tensors apart from the backward's memory (it measured {self.after.decision})")
+                log.info("%s: %s", self.after.name, self.after.decision)
         log.info("%s: %s", self.name, self.decision)
         return outputs
 
     def _keep(self, graphed: Graphed, decision: str) -> None:
         self.kept, self.decision = True, decision
-        self.pool.graphs.append(graphed.graph)
+
+    def _drop(self, decision: str) -> None:
+        self.kept, self.decision = False, decision
+        self.layer_graphs.clear()
+        self.copy_graph = None
 
     # -- per call, once graphs are kept ---------------------------------------------------------
 
@@ -266,7 +276,6 @@ class Replayer:
             if graphed is None:
                 log.info("loracc: %s call runs from Python: the capture failed (%s)", self.name, self.failed)
                 return self.fn(*inputs)
-            self.pool.graphs.append(graphed.graph)
         return self._run(graphed, inputs)
 
     def _run(self, graphed: Graphed, inputs):
@@ -280,16 +289,18 @@ class Replayer:
     def _capture(self, inputs, lease) -> Graphed | None:
         """Capture the graph for this call (replacing the one it had), or None if capturing failed."""
         key = self._key(inputs, lease)
-        fixed = 0 if key is None else self.fixed_inputs
-        static = list(inputs[:fixed])
-        for i, t in enumerate(inputs[fixed:], start=fixed):
-            buffer = self.static.get(i)
-            if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-                buffer = self.static[i] = torch.empty_like(t)
-            static.append(buffer.copy_(t))
+        in_place = self._in_place(key, len(inputs))
+        static = []
+        for i, t in enumerate(inputs):
+            if not in_place[i]:
+                buffer = self.static.get(i)
+                if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+                    buffer = self.static[i] = torch.empty_like(t)
+                t = buffer.copy_(t)
+            static.append(t)
         self.captures += 1
         try:
-            graphed = Graphed(self.fn, static, self.pool.handle(), fixed=fixed,
+            graphed = Graphed(self.fn, static, self.pool.handle(), in_place=in_place,
                               lend_from=self.lend_from if key is not None else None)
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -300,6 +311,19 @@ class Replayer:
         else:
             self.layer_graphs[key] = graphed
         return graphed
+
+
+    def _in_place(self, key, n: int) -> list[bool]:
+        """Which inputs the graph for ``key`` reads where they are: a forward's parameters and
+        buffers; of what a backward gets from its forward, the outputs that forward graph lent and
+        its own parameters (an activation it passed through, such as the layer's input, is copied)."""
+        if key is None:
+            return [False] * n
+        if self.after is None:
+            return [i < self.fixed_inputs for i in range(n)]
+        forward: Graphed = key
+        saved = [forward.passthrough[forward.lend_from + j] for j in range(self.fixed_inputs)]
+        return [j < self.fixed_inputs and (saved[j] is None or forward.in_place[saved[j]]) for j in range(n)]
 
 
 def check_lease(lease: Lease | None) -> None:

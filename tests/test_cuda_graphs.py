@@ -180,12 +180,15 @@ class _FakeGraphed:
 
     captured = []
 
-    def __init__(self, fn, inputs, pool=None, fixed=0, lend_from=None):
+    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
         self.fn, self.pool, self.replays = fn, pool, 0
         self.seq = self.last_replay = 0
+        self.in_place, self.lend_from = tuple(in_place), lend_from
         self.lends = lend_from is not None  # the functions given lend_from have outputs past it
+        ids = {id(t): i for i, t in enumerate(inputs)}
+        self.passthrough = [ids.get(id(t)) for t in fn(*inputs)]
         self.graph = type("Graph", (), {"pool": lambda _self: ("pool of", id(self))})()
         _FakeGraphed.captured.append(self)
 
@@ -242,8 +245,7 @@ def test_auto_keeps_a_graph_only_where_a_replay_is_clearly_faster(fake_capture):
     assert edge.graphed is not None  # at the threshold: kept
     assert fast.python_s == [1.0, 1.0]  # calls 2 and 3 timed from Python, then captured
     assert fast.graphed.replays == 3 + 2  # three timed replays, then the fourth and fifth calls
-    # the graphs kept share one pool: the second capture took its handle from the first graph
-    assert pool.graphs == [fast.graphed.graph, edge.graphed.graph]
+    # the graphs share one pool: the second capture took its handle from the first graph
     assert _FakeGraphed.captured[0].pool == ("new pool",)
     assert _FakeGraphed.captured[1].pool == ("pool of", id(_FakeGraphed.captured[0]))
 
@@ -400,3 +402,26 @@ def test_saved_tensor_hooks_replay_one_copy_graph_that_lends_nothing(fake_captur
     assert forward.copy_graph is not None and not forward.layer_graphs
     assert backward.copy_graph is not None and not backward.layer_graphs
     assert leases == [None] * len(weights)
+
+
+def test_a_backward_copies_the_activations_its_forward_passed_through():
+    """A forward that saves its own input (a layer's hidden states) passes the caller's tensor
+    through: the backward graph copies it in; lent outputs and weights it reads in place."""
+    from loracc.cuda_graphs import Replayer
+
+    forward = Replayer(lambda w, x: [x + w, w, x * 2, x], "forward graph", fixed_inputs=1, lend_from=1)
+    backward = Replayer(lambda *i: [i[0]], "backward graph", after=forward, fixed_inputs=3)
+    graphed = _FakeGraphed(forward.fn, [torch.randn(3), torch.randn(3)], in_place=(True, False), lend_from=1)
+    assert backward._in_place(graphed, 4) == [True, True, False, False]  # w, x*2 (lent), x, the tangent
+
+
+def test_a_forward_drops_its_graphs_when_its_backward_runs_from_python(fake_capture):
+    fake_capture.update(fwd=0.5, bwd=0.95)
+    pool, forward, backward = _layered(fake_capture)
+    forward.mode = backward.mode = "auto"
+    weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
+    for _ in range(3):
+        _step(forward, backward, weights, x)
+    assert not forward.kept and not forward.may_graph and not forward.layer_graphs
+    assert "its backward does" in forward.decision and "replay 500.00 ms" in forward.decision
+    assert not backward.kept and "bound by the GPU" in backward.decision
