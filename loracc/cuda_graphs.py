@@ -42,7 +42,9 @@ backend gives one to each graph of a repeated block (and with ``cuda_graphs=True
   such call made a Llama-3.2-1B layer look 1.28× slower than a replay: a graph kept for nothing but
   its memory). A backward given ``after=`` its forward waits for the forward's decision and tries
   only if that forward kept its graphs (so a GPU-bound model never captures its backward, where the
-  step's memory peaks).
+  step's memory peaks). Until the backward decides, the forward replays only the layer it measured;
+  if the backward stays in Python, the forward drops its graphs too (forward graphs alone would keep
+  every layer's saved tensors in the pool, apart from the memory the backward allocates).
 """
 from __future__ import annotations
 
@@ -175,6 +177,9 @@ class Replayer:
         self.copy_graph: Graphed | None = None
         self.static: dict[int, torch.Tensor] = {}  # the buffers copied inputs go to, shared by every graph
         self.lease: Lease | None = None  # a forward's latest lease, until the runtime takes it
+        self.follower: Replayer | None = None  # a forward's backward, set by the backward
+        if after is not None:
+            after.follower = self
         self.failed: str | None = None
         self.decision: str | None = None
         self.python_s: list[float] = []  # mode "auto": the Python calls timed so far
@@ -206,8 +211,6 @@ class Replayer:
             if self.after.decision is not None:  # the forward stays in Python; undecided, wait for it
                 self.decision = f"runs from Python, as {self.after.name} does"
             return self.fn(*inputs)
-        if self._key(inputs, lease) is _PYTHON:
-            return self.fn(*inputs)
         outputs = None
         if self.mode == "auto":
             seconds, outputs = _timed(lambda: self.fn(*inputs))
@@ -215,6 +218,8 @@ class Replayer:
             if len(self.python_s) < PYTHON_TIMINGS:
                 return outputs
             python_s = min(self.python_s)
+        if self._key(inputs, lease) is _PYTHON:  # nothing to capture over at this call: at a later one
+            return self.fn(*inputs) if outputs is None else outputs
         graphed = self._capture(inputs, lease)
         if graphed is None:
             self.decision = f"runs from Python: the capture failed ({self.failed})"
@@ -269,6 +274,11 @@ class Replayer:
         if key is _PYTHON:
             return self.fn(*inputs)
         graphed = self.copy_graph if key is None else self.layer_graphs.get(key)
+        if graphed is None and self.follower is not None and self.follower.decision is None and self.mode == "auto":
+            # Kept, but its backward has not decided: only the graph it measured replays meanwhile
+            # (its leases let the backward measure), so that a backward that stays in Python drops
+            # one forward graph, not one per layer (each holding its layer's saved tensors).
+            return self.fn(*inputs)
         if graphed is None or not self.pool.may_replay(graphed):
             if self.captures >= self.max_captures:
                 return self.fn(*inputs)

@@ -422,6 +422,21 @@ def test_a_forward_drops_its_graphs_when_its_backward_runs_from_python(fake_capt
     weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
     for _ in range(3):
         _step(forward, backward, weights, x)
+        # until its backward decides, a forward replays only the graph it measured
+        assert len(forward.layer_graphs) <= 1
     assert not forward.kept and not forward.may_graph and not forward.layer_graphs
     assert "its backward does" in forward.decision and "replay 500.00 ms" in forward.decision
     assert not backward.kept and "bound by the GPU" in backward.decision
+
+
+def test_auto_graphs_every_layer_once_its_backward_keeps_its_own(fake_capture):
+    fake_capture.update(fwd=0.5, bwd=0.5)
+    pool, forward, backward = _layered(fake_capture)
+    forward.mode = backward.mode = "auto"
+    weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
+    for _ in range(5):
+        leases = _step(forward, backward, weights, x)
+    settled = pool.captures
+    leases = _step(forward, backward, weights, x)
+    assert forward.kept and backward.kept and pool.captures == settled
+    assert len(forward.layer_graphs) == len(weights) and all(lease is not None for lease in leases)
