@@ -313,13 +313,13 @@ def _two_outputs(name):
     return fn
 
 
-def _layered(fake_capture, max_captures=20):
+def _layered(fake_capture, max_captures=20, mode="on"):
     from loracc.cuda_graphs import SharedPool
 
     pool = SharedPool()
-    forward = Replayer(_two_outputs("fwd"), "forward graph", mode="on", pool=pool, fixed_inputs=1, lend_from=1,
+    forward = Replayer(_two_outputs("fwd"), "forward graph", mode=mode, pool=pool, fixed_inputs=1, lend_from=1,
                        max_captures=max_captures)
-    backward = Replayer(_two_outputs("bwd"), "backward graph", mode="on", pool=pool, after=forward, fixed_inputs=1,
+    backward = Replayer(_two_outputs("bwd"), "backward graph", mode=mode, pool=pool, after=forward, fixed_inputs=1,
                         max_captures=max_captures)
     return pool, forward, backward
 
@@ -417,8 +417,7 @@ def test_a_backward_copies_the_activations_its_forward_passed_through():
 
 def test_a_forward_drops_its_graphs_when_its_backward_runs_from_python(fake_capture):
     fake_capture.update(fwd=0.5, bwd=0.95)
-    pool, forward, backward = _layered(fake_capture)
-    forward.mode = backward.mode = "auto"
+    pool, forward, backward = _layered(fake_capture, mode="auto")
     weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
     for _ in range(3):
         _step(forward, backward, weights, x)
@@ -431,11 +430,10 @@ def test_a_forward_drops_its_graphs_when_its_backward_runs_from_python(fake_capt
 
 def test_auto_graphs_every_layer_once_its_backward_keeps_its_own(fake_capture):
     fake_capture.update(fwd=0.5, bwd=0.5)
-    pool, forward, backward = _layered(fake_capture)
-    forward.mode = backward.mode = "auto"
+    pool, forward, backward = _layered(fake_capture, mode="auto")
     weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
     for _ in range(5):
-        leases = _step(forward, backward, weights, x)
+        _step(forward, backward, weights, x)
     settled = pool.captures
     leases = _step(forward, backward, weights, x)
     assert forward.kept and backward.kept and pool.captures == settled
