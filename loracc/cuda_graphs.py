@@ -84,7 +84,7 @@ class SharedPool:
 
     def may_replay(self, graphed: "Graphed") -> bool:
         """Whether a replay of ``graphed`` leaves every lent output as it is (see the module's docstring)."""
-        return all(lease.graphed.seq < graphed.seq for lease in self.lent)
+        return all(lease.seq < graphed.seq for lease in self.lent)
 
     def added(self, graphed: "Graphed") -> None:
         self.captures += 1
@@ -93,21 +93,25 @@ class SharedPool:
 
 
 class Lease:
-    """The outputs a forward graph's replay lent to its backward (held by the call's autograd context)."""
+    """The outputs a forward graph's replay lent to its backward (held by the call's autograd
+    context, which can outlive the backward: a released lease lets go of the graph, so that a graph
+    dropped meanwhile frees its memory)."""
 
     def __init__(self, graphed: "Graphed", pool: SharedPool):
-        self.graphed, self.pool, self.at = graphed, pool, pool.replays
+        self.graphed: Graphed | None = graphed
+        self.seq, self.pool, self.at = graphed.seq, pool, pool.replays
         pool.lent.add(self)
 
     def release(self) -> None:
         self.pool.lent.discard(self)
+        self.graphed = None
 
     def intact(self) -> bool:
         """Whether the lent outputs still hold what the forward wrote: lent still, or no graph that
         may have overwritten them (one captured before theirs, or theirs) has replayed since."""
         if self in self.pool.lent:
             return True
-        return not any(g.seq <= self.graphed.seq and g.last_replay > self.at for g in self.pool.live)
+        return not any(g.seq <= self.seq and g.last_replay > self.at for g in self.pool.live)
 
 
 class Graphed:
@@ -253,6 +257,7 @@ class Replayer:
         self.kept, self.decision = False, decision
         self.layer_graphs.clear()
         self.copy_graph = None
+        self.static.clear()
 
     # -- per call, once graphs are kept ---------------------------------------------------------
 
@@ -265,7 +270,7 @@ class Replayer:
             if self.fixed_inputs and not saved_tensors_hooks_active():
                 return tuple(t.data_ptr() for t in inputs[: self.fixed_inputs])
             return None
-        if lease is not None:
+        if lease is not None and lease.graphed is not None:
             return lease.graphed
         return None if self.after.copy_graph is not None else _PYTHON
 

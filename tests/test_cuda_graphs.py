@@ -355,7 +355,8 @@ def test_each_layer_replays_its_own_graphs_and_settles_in_step_order(fake_captur
     assert forward.copy_graph is None and backward.copy_graph is None  # nothing copied whole
     # every forward lent, every backward read its own forward's graph and released the lease
     assert all(lease is not None for lease in leases) and not list(pool.lent)
-    assert {lease.graphed for lease in leases} == set(graphs)
+    assert {lease.seq for lease in leases} == {g.seq for g in graphs}
+    assert all(lease.graphed is None for lease in leases)  # released: a dropped graph's memory is not held
     backward_graphs = [backward.layer_graphs[g] for g in graphs]
     # capture order: every forward graph before every backward graph
     assert max(g.seq for g in graphs) < min(g.seq for g in backward_graphs)
