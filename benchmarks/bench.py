@@ -424,9 +424,17 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     marks = []
     if args.warmup > 1:
         progress("warm-up")
+    # The steady-state peak: over the second half of the timed steps (captures, autotuning and
+    # first-step transients are over by then); the whole run's peak is kept as well.
+    steady_from = args.warmup + args.steps // 2 if args.steps >= 2 else None
+    early_peak = None
     for i in range(1, args.warmup + args.steps):
         if i == args.warmup:
             progress("timed steps")
+        if cuda and i == steady_from:
+            sync()
+            early_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -440,8 +448,10 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
             marks.append((begin, end))
     sync()
     times_ms = [b.elapsed_time(e) if cuda else (e - b) * 1e3 for b, e in marks]
+    late_peak = torch.cuda.max_memory_allocated() if cuda else None
     result = dict(first_step_s=first_step_s, losses=[float(x) for x in losses],
-                  peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None)
+                  peak_memory_bytes=max(late_peak, early_peak or 0) if cuda else None,
+                  steady_peak_memory_bytes=late_peak if cuda and early_peak is not None else None)
     if times_ms:
         step_ms = statistics.median(times_ms)
         result.update(step_ms=step_ms, step_ms_all=times_ms, tokens_per_s=args.batch * args.seq / step_ms * 1e3)
@@ -721,6 +731,8 @@ def _line(r: dict) -> str:
     if r["status"] != "ok":
         return f"{head} {r.get('error') or ''}"[:400]
     peak = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_memory_bytes") else "-"
+    if r.get("steady_peak_memory_bytes"):
+        peak += f" (steady {r['steady_peak_memory_bytes'] / 2**30:.2f})"
     mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
     warm = r.get("first_step_warm_s")
     first = f"first {r['first_step_s']:.1f} s" + (f" / warm {warm:.1f} s" if warm is not None else "")
