@@ -180,7 +180,7 @@ class _FakeGraphed:
 
     captured = []
 
-    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None):
+    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None, side=None):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
         self.fn, self.pool, self.replays = fn, pool, 0
@@ -208,6 +208,7 @@ def fake_capture(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "Graphed", _FakeGraphed)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("new pool",))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "side stream")
 
     def timed(fn):
         before = [g.replays for g in _FakeGraphed.captured]
