@@ -66,8 +66,8 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     compiled graph as a CUDA graph where, timed at its second and third calls, a replay is clearly faster than
     running it from Python: steps bound by kernel launches (small hidden sizes, e.g. Qwen2-0.5B)
     gain, GPU-bound ones (Llama-3.2-1B at 4×2048) stay as they are. Only with the fastest plan
-    (``memory_budget=None``): graphs keep static copies of their inputs and outputs, memory a budget
-    did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
+    (``memory_budget=None``): each layer's graphs keep buffers for their inputs and outputs, memory a
+    budget did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
     """
     if not isinstance(model, nn.Module):
         raise LoraccError(f"loracc.compile expects a torch.nn.Module, got {type(model).__name__}")
