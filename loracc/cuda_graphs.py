@@ -248,6 +248,10 @@ class Replayer:
         timing = f"replay {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms from Python"
         if replay_s <= KEEP_BELOW * python_s:
             self._keep(graphed, f"CUDA graph ({timing})")
+            log.info("%s: %s", self.name, self.decision)
+            # The graph's own outputs, lent as at every replay: the Python call's saved tensors are
+            # freed rather than held next to the graph's (and its backward can measure at this layer).
+            return self._run(graphed, inputs)
         else:
             self._drop(f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)")
             if self.after is not None and self.after.kept:

@@ -245,7 +245,9 @@ def test_auto_keeps_a_graph_only_where_a_replay_is_clearly_faster(fake_capture):
     assert slow.graphed is None and "bound by the GPU" in slow.decision and not slow.may_graph
     assert edge.graphed is not None  # at the threshold: kept
     assert fast.python_s == [1.0, 1.0]  # calls 2 and 3 timed from Python, then captured
-    assert fast.graphed.replays == 3 + 2  # three timed replays, then the fourth and fifth calls
+    # three timed replays, the third call's result (a graph kept returns its own outputs), then the
+    # fourth and fifth calls
+    assert fast.graphed.replays == 3 + 1 + 2
     # the graphs share one pool: the second capture took its handle from the first graph
     assert _FakeGraphed.captured[0].pool == ("new pool",)
     assert _FakeGraphed.captured[1].pool == ("pool of", id(_FakeGraphed.captured[0]))
@@ -433,8 +435,13 @@ def test_a_forward_drops_its_graphs_when_its_backward_runs_from_python(fake_capt
 def test_auto_graphs_every_layer_once_its_backward_keeps_its_own(fake_capture):
     fake_capture.update(fwd=0.5, bwd=0.5)
     pool, forward, backward = _layered(fake_capture, mode="auto")
-    weights, x = [torch.randn(3) for _ in range(4)], torch.randn(3)
-    for _ in range(5):
+    weights, x = [torch.randn(3) for _ in range(6)], torch.randn(3)
+    leases = _step(forward, backward, weights, x)
+    # the forward measured at its third call and kept its graph: that call lent its graph's outputs,
+    # and the backward measured at that layer, in the same step
+    assert [lease is not None for lease in leases] == [False, False, True, False, False, False]
+    assert backward.kept
+    for _ in range(4):
         _step(forward, backward, weights, x)
     settled = pool.captures
     leases = _step(forward, backward, weights, x)
