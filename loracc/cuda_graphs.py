@@ -174,16 +174,19 @@ class Replayer:
     ``fixed_inputs``: how many leading inputs are the same tensors at every call of one layer (a
     forward's module parameters and buffers; a backward's saved tensors); ``lend_from``: the index
     of a forward's first saved output (None for a backward). ``max_captures`` bounds the captures
-    (a block: a few per layer) before a call that needs a new one runs from Python instead.
+    (a block: a few per layer) before a call that needs a new one runs from Python instead;
+    ``layers``: how many layers call it, if known (a forward keeps a graph for that many sets of weights at
+    most: a graph for weights the model no longer has, replaced by new tensors, is dropped, least
+    recently replayed first, rather than keeping the old weights alive).
     """
 
     def __init__(self, fn, name: str, mode: str = "on", pool: SharedPool | None = None, after: "Replayer | None" = None,
-                 fixed_inputs: int = 0, lend_from: int | None = None, max_captures: int = 8):
+                 fixed_inputs: int = 0, lend_from: int | None = None, max_captures: int = 8, layers: int | None = None):
         if mode not in ("on", "auto"):
             raise ValueError(f"Replayer mode must be 'on' or 'auto', got {mode!r}")
         self.fn, self.name, self.mode, self.after = fn, name, mode, after
         self.pool = pool if pool is not None else SharedPool()
-        self.fixed_inputs, self.lend_from, self.max_captures = fixed_inputs, lend_from, max_captures
+        self.fixed_inputs, self.lend_from, self.max_captures, self.layers = fixed_inputs, lend_from, max_captures, layers
         self.calls = self.captures = 0
         self.kept = False
         self.layer_graphs: dict = {} if after is None else weakref.WeakKeyDictionary()  # by weights / by forward graph
@@ -336,8 +339,11 @@ class Replayer:
         self.pool.added(graphed)
         if key is None:
             self.copy_graph = graphed
-        else:
-            self.layer_graphs[key] = graphed
+            return graphed
+        if self.after is None and self.layers and key not in self.layer_graphs and len(self.layer_graphs) >= self.layers:
+            stale = min(self.layer_graphs, key=lambda k: self.layer_graphs[k].last_replay)
+            del self.layer_graphs[stale]
+        self.layer_graphs[key] = graphed
         return graphed
 
 

@@ -447,3 +447,19 @@ def test_auto_graphs_every_layer_once_its_backward_keeps_its_own(fake_capture):
     leases = _step(forward, backward, weights, x)
     assert forward.kept and backward.kept and pool.captures == settled
     assert len(forward.layer_graphs) == len(weights) and all(lease is not None for lease in leases)
+
+
+def test_a_forward_keeps_one_graph_per_layer_and_drops_the_stale_ones(fake_capture):
+    """New weight tensors (a model whose parameters were replaced) capture new graphs; the graphs of
+    the weights no longer used go, rather than keep the old tensors alive."""
+    pool, forward, backward = _layered(fake_capture)
+    forward.layers = backward.layers = 2
+    weights, x = [torch.randn(3) for _ in range(2)], torch.randn(3)
+    for _ in range(3):
+        _step(forward, backward, weights, x)
+    old = weights[0]
+    weights[0] = torch.randn(3)
+    for _ in range(3):
+        _step(forward, backward, weights, x)
+    keys = list(forward.layer_graphs)
+    assert len(keys) == 2 and (old.data_ptr(),) not in keys and (weights[0].data_ptr(),) in keys

@@ -105,4 +105,4 @@ class TritonBackend:
             return gm
         return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
                         after=after if isinstance(after, Replayer) else None, fixed_inputs=fixed_inputs,
-                        lend_from=lend_from, max_captures=3 * repeats + 4)
+                        lend_from=lend_from, max_captures=3 * repeats + 4, layers=repeats)
