@@ -35,13 +35,7 @@ def _without_saved_tensors_hooks():
     change the traced graph: every saved tensor would gain a detach)."""
     hooks = torch._C._autograd
     stack = []
-    while True:
-        try:
-            top = hooks._top_saved_tensors_default_hooks(False)
-        except RuntimeError:  # hooks disabled (torch.autograd.graph.disable_saved_tensors_hooks): none apply
-            break
-        if top is None:
-            break
+    while (top := _top_saved_tensors_hooks()) is not None:
         stack.append(top)
         hooks._pop_saved_tensors_default_hooks()
     try:
@@ -51,13 +45,18 @@ def _without_saved_tensors_hooks():
             hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
+def _top_saved_tensors_hooks():
+    """The innermost ``(pack, unpack)`` saved-tensor hooks in force, or None."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except RuntimeError:  # hooks disabled (torch.autograd.graph.disable_saved_tensors_hooks): none apply
+        return None
+
+
 def saved_tensors_hooks_active() -> bool:
     """Whether tensors saved for the backward now go through saved-tensor hooks (gradient
     checkpointing, offloading): what a Function saves is then not simply kept."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    except RuntimeError:  # hooks disabled: none apply
-        return False
+    return _top_saved_tensors_hooks() is not None
 
 
 @contextlib.contextmanager

@@ -133,7 +133,6 @@ class Graphed:
                  lend_from: int | None = None, side: torch.cuda.Stream | None = None):
         self.static_inputs = static_inputs
         self.in_place = tuple(in_place) + (False,) * (len(static_inputs) - len(in_place))
-        self.lend_from = len(static_inputs) + 10**9 if lend_from is None else lend_from
         self.seq, self.last_replay = 0, 0
         self.graph = torch.cuda.CUDAGraph()
         side = side if side is not None else torch.cuda.Stream()
@@ -144,6 +143,7 @@ class Graphed:
         with torch.cuda.graph(self.graph, pool=pool):
             outputs = fn(*self.static_inputs)
         self.static_outputs = list(outputs)
+        self.lend_from = len(self.static_outputs) if lend_from is None else lend_from  # None: lends nothing
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
         self.passthrough = [ids.get(id(t)) for t in self.static_outputs]
 
@@ -234,9 +234,10 @@ class Replayer:
             if len(self.python_s) < PYTHON_TIMINGS:
                 return outputs
             python_s = min(self.python_s)
-        if self._key(inputs, lease) is _PYTHON:  # nothing to capture over at this call: at a later one
+        key = self._key(inputs, lease)
+        if key is _PYTHON:  # nothing to capture over at this call: at a later one
             return self.fn(*inputs) if outputs is None else outputs
-        graphed = self._capture(inputs, lease)
+        graphed = self._capture(inputs, key)
         if graphed is None:
             self.decision = f"runs from Python: the capture failed ({self.failed})"
             # cuda_graphs=True asked for a graph: say so; "auto" only tried one (explain() says why not)
@@ -303,7 +304,7 @@ class Replayer:
         if graphed is None or not self.pool.may_replay(graphed):
             if self.captures >= self.max_captures:
                 return self.fn(*inputs)
-            graphed = self._capture(inputs, lease)
+            graphed = self._capture(inputs, key)
             if graphed is None:
                 log.info("loracc: %s call runs from Python: the capture failed (%s)", self.name, self.failed)
                 return self.fn(*inputs)
@@ -317,9 +318,9 @@ class Replayer:
             self.lease = Lease(graphed, self.pool)
         return outputs
 
-    def _capture(self, inputs, lease) -> Graphed | None:
-        """Capture the graph for this call (replacing the one it had), or None if capturing failed."""
-        key = self._key(inputs, lease)
+    def _capture(self, inputs, key) -> Graphed | None:
+        """Capture the graph for this call, whose ``_key`` is ``key`` (replacing the one it had), or
+        None if capturing failed."""
         in_place = self._in_place(key, len(inputs))
         static = []
         for i, t in enumerate(inputs):
