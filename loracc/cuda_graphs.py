@@ -12,8 +12,10 @@ Two kinds of graph, by what they copy:
   own backward graph, captured over what that layer's forward graph saved. The forward hands the
   tensors it saves for the backward out of its static outputs without copying them (*lends* them,
   ``Lease``); the backward reads them where they are. Only the activations that flow between
-  layers are copied in and out. Copying the saved activations out of a shared graph and back into
-  it cost a Qwen2-0.5B step ~12 ms of its ~87 on an H100 (about 14 GB of copies per step).
+  layers are copied in and out. With one graph shared by every layer, which copied weights and
+  saved activations in and out, a profile of a Qwen2-0.5B step on an H100 (2026-11-22,
+  ``benchmarks/profile_step.py --workload qwen2-0.5b --method loracc``) counted ~2,300
+  device-to-device copies per step, ~12 ms of GPU time.
 - **Copy** (one graph shared by every layer, every input copied in and every output copied out):
   for calls whose saved tensors go through saved-tensor hooks (gradient checkpointing), which the
   per-layer graphs cannot lend to, and for a backward whose forward was not replayed per layer.
