@@ -5,7 +5,9 @@
 Prints, per method, the step's wall time, the GPU's busy time, and the kernels and CPU-side ops
 that take the most time; writes the full tables (and a Chrome trace with --trace) under --out.
 With --python, the same steps also run under cProfile: where the host's Python time goes (a step
-whose CPU time equals its GPU time is bound by launching its kernels).
+whose CPU time equals its GPU time is bound by launching its kernels). With --cold, loracc's first
+step (compile, trace, kernel compilation and autotuning) runs under cProfile in empty kernel caches
+instead: where the first step's time goes.
 """
 from __future__ import annotations
 
@@ -67,6 +69,52 @@ def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: s
     return lines[0]
 
 
+def cold(workload: str, batch: int, seq: int, out: str | None) -> str:
+    """cProfile over loracc.compile and the first step, in empty loracc and Triton caches."""
+    import cProfile
+    import io
+    import pstats
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="loracc-cold-")
+    os.environ["LORACC_CACHE_DIR"] = f"{root}/loracc"
+    os.environ["TRITON_CACHE_DIR"] = f"{root}/triton"
+    import loracc
+
+    model, peft_model, _ = bench.build_model(workload, "loracc", "cuda")
+    vocab = bench.WORKLOADS[workload]["config"]["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).cuda()
+    optimizer = loracc.FusedAdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+    profiler = cProfile.Profile()
+    times = {}
+    start = time.perf_counter()
+    profiler.enable()
+    loracc.compile(peft_model)
+    times["compile"] = time.perf_counter() - start
+    for i in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        times[f"step {i} forward"] = time.perf_counter() - start
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times[f"step {i} done"] = time.perf_counter() - start
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(70)
+    stats.sort_stats("tottime").print_stats(30)
+    head = f"## cold first steps of loracc on {workload} {batch}x{seq}: " + ", ".join(
+        f"{name} at {t:.1f} s" for name, t in times.items())
+    text = head + "\n" + text.getvalue()
+    if out:
+        with open(os.path.join(out, f"cold-{workload}.txt"), "w") as f:
+            f.write(text)
+        stats.dump_stats(os.path.join(out, f"cold-{workload}.prof"))
+    return head
+
+
 def _python_profile(step, steps: int) -> str:
     """cProfile over ``steps`` steps: the functions with the most own time, then the most cumulative."""
     import cProfile
@@ -98,7 +146,12 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--python", action="store_true", help="also profile the host's Python with cProfile")
+    parser.add_argument("--cold", action="store_true",
+                        help="profile loracc's compile and first steps in empty caches instead")
     args = parser.parse_args()
+    if args.cold:
+        print(cold(args.workload, args.batch, args.seq, args.out))
+        return
     summary = []
     for method in args.method or ["peft-eager", "loracc"]:
         summary.append(profile(method, args.workload, args.batch, args.seq, args.steps, args.out, args.trace, args.python))
