@@ -418,6 +418,17 @@ class RowKernel:
         return tuple(outputs)
 
 
+    def warmup(self, device: torch.device):
+        """Compile the kernel for the traced graph's values, without running it (``precompile``)."""
+        from .precompile import pointer
+
+        values = {"in": self.input_vals, "out": self.output_vals}
+        strides = [values[kind][index].stride(dim) for kind, index, dim in self.stride_of]
+        args = [pointer(v) if isinstance(v, torch.Tensor) else v for v in [*self.input_vals, *self.output_vals]]
+        return self.kernel(device).warmup(*args, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
+                                          num_warps=self.num_warps, grid=(1,))
+
+
 def _shape(val) -> str:
     if not isinstance(val, torch.Tensor):
         return repr(val)

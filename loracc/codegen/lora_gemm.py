@@ -158,21 +158,38 @@ class LoraGemm:
         contiguous and written in full.
         """
         m = a.shape[0]
-        args = dict(a_ptr=a.contiguous(), w_ptr=weight.contiguous(), q_ptr=q.contiguous(), out_ptr=out, M=m, scale=float(scale))
+        args = self._arguments(a.contiguous(), weight.contiguous(), p.contiguous(), q.contiguous(), out, bias, u, lora_out)
+        n = self.out_features if self.use == "forward" else self.in_features
+        grid = (triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n),)
+        self.kernel(a.device)[grid](**args, M=m, scale=float(scale), **_meta(config))
+
+    def warmup(self, config: Config, rows: int, adapter_dtype: torch.dtype, device: torch.device):
+        """Compile the kernel for ``rows`` rows and adapters in ``adapter_dtype``, without running it
+        (``precompile``); the tensors are stand-ins with their dtypes."""
+        from .precompile import pointer
+
+        base, adapter = pointer(self.dtype), pointer(adapter_dtype)
+        rank_grad = pointer(torch.float32 if self.use == "grad_input" else self.dtype)
+        args = self._arguments(base, base, adapter, adapter, base, base, rank_grad, base)
+        return self.kernel(device).warmup(**args, M=rows, scale=1.0, **_meta(config), grid=(1,))
+
+    def _arguments(self, a, weight, p, q, out, bias, u, lora_out) -> dict:
+        """The kernel's tensor arguments by name: those this instance reads or writes."""
+        args = dict(a_ptr=a, w_ptr=weight, q_ptr=q, out_ptr=out)
         if self.lora_in == "fused":
-            args["p_ptr"] = p.contiguous()
+            args["p_ptr"] = p
         if self.has_bias:
             args["bias_ptr"] = bias
         if self.lora_in == "loaded" or self.use == "grad_input":
             args["u_ptr"] = u
         if self.lora_out == "separate":
             args["lora_out_ptr"] = lora_out
-        n = self.out_features if self.use == "forward" else self.in_features
-        grid = (triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n),)
-        self.kernel(a.device)[grid](
-            **args, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        return args
+
+
+def _meta(config: Config) -> dict:
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 @functools.cache

@@ -95,11 +95,30 @@ def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple,
     return impl
 
 
-def _template_impls(gemm: LoraGemm, run) -> dict[str, Callable]:
-    if gemm.rank > MAX_RANK or not gemm.rows_aligned:
-        return {}
-    configs = INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
-    return {f"triton {c}": functools.partial(run, gemm, c) for c in configs}
+def _template_configs(gemm: LoraGemm | None) -> tuple:
+    """The template configurations the autotuner tries for ``gemm`` (none where the template cannot run it)."""
+    if gemm is None or gemm.rank > MAX_RANK or not gemm.rows_aligned:
+        return ()
+    return INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
+
+
+def _template_impls(gemm: LoraGemm | None, run) -> dict[str, Callable]:
+    return {f"triton {c}": functools.partial(run, gemm, c) for c in _template_configs(gemm)}
+
+
+def warmups(op, vals: list, device: torch.device) -> list[Callable]:
+    """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles:
+    each template configuration the autotuner will try, as a ``precompile`` job."""
+    if op is lora_linear:
+        x, weight, bias, lora_a, _, _, lora_x = vals
+        gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
+    else:
+        grad_y, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
+        gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, (lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x))
+    if gemm is None:
+        return []
+    rows = vals[0].numel() // vals[0].shape[-1]
+    return [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
 
 
 # Forward --------------------------------------------------------------------------------------
@@ -114,12 +133,17 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     key = _key("lora_linear", x2, lin2, weight, bias, lora_a, lora_b)
     impl = _plans.get(key)
     if impl is None:
-        gemm = LoraGemm("forward", in_features, out_features, lora_a.shape[0], x.dtype, has_bias=bias is not None,
-                        lora_in="fused" if lora_x is None else "loaded")
+        gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
         impls = {**_template_impls(gemm, _forward_template), "cublas": _forward_cublas,
                  "cublas lora-first": _forward_cublas_lora_first}
         impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
     return impl(*args).reshape(*x.shape[:-1], out_features)
+
+
+def _forward_gemm(dtype, weight, bias, lora_a, dropout: bool) -> LoraGemm:
+    out_features, in_features = weight.shape
+    return LoraGemm("forward", in_features, out_features, lora_a.shape[0], dtype, has_bias=bias is not None,
+                    lora_in="loaded" if dropout else "fused")
 
 
 def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
@@ -187,19 +211,29 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
     if impl is None:
         impls = {"cublas": functools.partial(_grad_input_cublas, flags, False),
                  "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
-        # 16-bit input gradients stay on cuBLAS: on an H100 (Triton 3.6) the template's bf16 dU/dX
-        # were wrong at small odd shapes with fp32 adapters (test_grad_input_kernel), though right at
-        # the benchmark's shapes; until that is understood no 16-bit gradient comes from it.
-        if need_grad_x and (lora_in_is_x or need_grad_lin) and gy2.dtype == torch.float32:
-            out_features, in_features = weight.shape
-            gemm = LoraGemm("grad_input", in_features, out_features, lora_a.shape[0], gy2.dtype,
-                            lora_out="add" if lora_in_is_x else "separate")
+        gemm = _grad_input_gemm(gy2.dtype, weight, lora_a, flags)
+        if gemm is not None:
             impls = {**_template_impls(gemm, _grad_input_template), **impls}
             name = gemm.name
         else:
             name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}_{flags}"
         impl = _plan(key, name, impls, args, lora_a.dtype)
     return impl(*args)
+
+
+def _grad_input_gemm(dtype, weight, lora_a, flags) -> LoraGemm | None:
+    """The template instance for the input gradient, or None where it stays on cuBLAS.
+
+    16-bit input gradients stay on cuBLAS: on an H100 (Triton 3.6) the template's bf16 dU/dX were
+    wrong at small odd shapes with fp32 adapters (test_grad_input_kernel), though right at the
+    benchmark's shapes; until that is understood no 16-bit gradient comes from it.
+    """
+    lora_in_is_x, need_grad_x, need_grad_lin = flags
+    if not (need_grad_x and (lora_in_is_x or need_grad_lin) and dtype == torch.float32):
+        return None
+    out_features, in_features = weight.shape
+    return LoraGemm("grad_input", in_features, out_features, lora_a.shape[0], dtype,
+                    lora_out="add" if lora_in_is_x else "separate")
 
 
 def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):

@@ -9,6 +9,8 @@ op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -18,7 +20,7 @@ from ..cross_entropy import LINEAR_CROSS_ENTROPY
 from ..cuda_graphs import Replayer, SharedPool
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..passes.fusion import FusedRows
-from . import cross_entropy, fused_rows, lora_linear
+from . import cross_entropy, fused_rows, lora_linear, precompile
 
 
 def available(device: torch.device) -> str | None:
@@ -53,6 +55,7 @@ class TritonBackend:
         if cuda_graphs not in ("on", "off", "auto"):
             raise ValueError(f"TritonBackend cuda_graphs must be 'on', 'off' or 'auto', got {cuda_graphs!r}")
         self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
+        self.device = device
         self._pool = SharedPool()  # one memory pool for every graph of the model
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
@@ -61,6 +64,7 @@ class TritonBackend:
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
         ``fixed_inputs``, ``lend_from``: see ``cuda_graphs.Replayer``."""
         gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
+        ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
         for node in gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
                 try:
@@ -70,6 +74,7 @@ class TritonBackend:
                 else:
                     node.target = kernel
                     runs = f"generated kernel {kernel.name}"
+                    ahead.append(functools.partial(kernel.warmup, self.device))
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"), "runs": runs})
                 continue
             if node.op == "call_function" and node.target is LINEAR_CROSS_ENTROPY:
@@ -95,10 +100,13 @@ class TritonBackend:
             if reason is None:
                 node.target = replacement
                 entry["runs"] = "fused kernels (autotuned: template or cuBLAS)"
+                ahead += lora_linear.warmups(replacement, vals, self.device)
             else:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
         gm.recompile()
+        if self.device.type == "cuda":
+            precompile.compile_ahead(ahead, f"kernels of the {stage} graph")
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
         # save, and its trial capture would come at the step's memory peak, weights copied.
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):

@@ -1,0 +1,73 @@
+"""Compile a graph's Triton kernels before its first call, all at once.
+
+Triton compiles a kernel at its first launch, so a first step would compile a few dozen kernels one
+after the other (on an H100 host about a second each, most of it in ``ptxas``, a subprocess:
+benchmarks/profile_step.py --cold). Before a compiled graph first runs, the Triton backend hands
+every kernel it is about to launch (each fused row kernel, each candidate configuration of the LoRA
+GEMM template) to Triton's asynchronous compile mode with a pool of threads: the compilers run side
+by side, and the first launches find their kernels compiled.
+
+A kernel is compiled ahead from its signature: the dtypes of its pointer arguments, where they start
+modulo 16 bytes, and the values of its integer arguments, all known from the traced graph. A launch
+whose real arguments specialize otherwise (a pointer that is not aligned after all) compiles its
+own variant at that launch, as it would have without this step; a kernel that fails to compile
+ahead fails again, with its error, where it launches (or the autotuner leaves that candidate out).
+Nothing is compiled ahead under the Triton interpreter, nor with a Triton that lacks the
+asynchronous mode.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("loracc")
+
+
+def pointer(val) -> object:
+    """A stand-in for the tensor argument ``val`` (a tensor or the traced graph's fake value): its
+    dtype, and a start address with the same alignment; or for an aligned tensor of dtype ``val``."""
+    from triton.runtime.jit import MockTensor
+
+    class Pointer(MockTensor):
+        def __init__(self, dtype, address: int):
+            super().__init__(dtype)
+            self.address = address
+
+        def data_ptr(self) -> int:
+            return self.address
+
+    if isinstance(val, torch.dtype):
+        return Pointer(val, 0)
+    return Pointer(val.dtype, val.storage_offset() * val.element_size() % 16)
+
+
+def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> int:
+    """Run ``jobs`` (each calls one kernel's ``warmup``) with their compiles in parallel, and wait
+    for them; the number of kernels submitted."""
+    if not jobs:
+        return 0
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton without the asynchronous mode: kernels compile at their launches
+        return 0
+    start = time.perf_counter()
+    workers = min(len(jobs), os.cpu_count() or 1, 16)
+    submitted = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loracc-compile") as pool:
+        try:
+            with AsyncCompileMode(pool):
+                for job in jobs:
+                    try:
+                        job()
+                        submitted += 1
+                    except Exception as exc:  # noqa: BLE001 - the launch will raise it with its context
+                        log.debug("loracc: compiling ahead failed to start: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - one kernel that fails to compile: its launch says why
+            log.debug("loracc: a kernel compiled ahead failed: %s", exc)
+    log.info("compiled %d %s ahead in %.1f s (%d threads)", submitted, what, time.perf_counter() - start, workers)
+    return submitted

@@ -1,0 +1,184 @@
+"""Compiling kernels ahead of their first launch (loracc/codegen/precompile.py).
+
+A kernel compiled ahead is only useful if its launch then specializes the same way: these tests
+record what a launch and a warm-up pass to Triton and compare what Triton specializes on (each
+pointer's dtype and 16-byte alignment, each integer's value class, every constant). On a GPU they
+also check that a launch after ``compile_ahead`` compiles nothing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from loracc.codegen import autotune, lora_linear, precompile  # noqa: E402
+from loracc.codegen.fused_rows import RowKernel  # noqa: E402
+from loracc.codegen.lora_gemm import LoraGemm  # noqa: E402
+from loracc.codegen.triton_backend import available  # noqa: E402
+
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from loracc.passes.fusion import FusedRows, fusion  # noqa: E402
+from test_codegen_fused_rows import _case  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+CONFIG = lora_linear._template_configs(LoraGemm("forward", 48, 40, 4, torch.float32))[0]
+
+
+class Recorder:
+    """Stands in for a compiled Triton kernel: records launches and warm-ups."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("launch", args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("warmup", args, kwargs))
+
+
+def _fused(fn, inputs):
+    """``fn`` traced as loracc traces (fake tensors: views keep their storage offsets), then fused."""
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    fusion(gm)
+    return gm, [n for n in gm.graph.nodes if isinstance(n.target, FusedRows)]
+
+
+def specialization(value):
+    """What Triton compiles a kernel argument as."""
+    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
+        return ("pointer", value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return ("value", type(value).__name__, value if isinstance(value, (bool, str)) else None)
+    return ("int", value == 1, value % 16 == 0)
+
+
+def signature(call):
+    _, args, kwargs = call
+    return [specialization(a) for a in args], {k: specialization(v) for k, v in sorted(kwargs.items())}
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "rotary", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_kernel_warms_up_as_it_launches(name, dtype):
+    """Each group's kernel, warmed up from the traced values, against its launch inside the graph."""
+    fn, inputs = _case(name, dtype)
+    gm, groups = _fused(fn, inputs)
+    kernels = []
+    for node in groups:
+        kernel, recorder = RowKernel(node.target), Recorder()
+        kernel.kernel = lambda device, recorder=recorder: recorder
+        node.target = kernel
+        kernels.append((kernel, recorder))
+    gm.recompile()
+    gm(*inputs)  # launches every kernel on the graph's real values (the recorder computes nothing)
+    for kernel, recorder in kernels:
+        kernel.warmup(DEVICE)
+        launch, warmup = recorder.calls
+        assert launch[0] == "launch" and warmup[0] == "warmup"
+        assert signature(launch) == signature(warmup), kernel.name
+
+
+@pytest.mark.parametrize("use, has_bias, flag", [("forward", False, "fused"), ("forward", True, "fused"),
+                                                 ("forward", False, "loaded"), ("grad_input", False, "add"),
+                                                 ("grad_input", False, "separate")])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_the_lora_gemm_warms_up_as_it_launches(use, has_bias, flag, adapter_dtype):
+    rows, i, o, r, dtype = 37, 48, 40, 4, torch.bfloat16
+    options = {"lora_in": flag} if use == "forward" else {"lora_out": flag}
+    gemm = LoraGemm(use, i, o, r, dtype, has_bias=has_bias, **options)
+    recorder = Recorder()
+    object.__setattr__(gemm, "kernel", lambda device: recorder)
+    t = functools.partial(torch.randn, device=DEVICE)
+    if use == "forward":
+        gemm.launch(CONFIG, a=t(rows, i, dtype=dtype), weight=t(o, i, dtype=dtype), p=t(r, i, dtype=adapter_dtype),
+                    q=t(o, r, dtype=adapter_dtype), scale=0.5, out=t(rows, o, dtype=dtype),
+                    bias=t(o, dtype=dtype) if has_bias else None, u=t(rows, r, dtype=dtype) if flag == "loaded" else None)
+    else:
+        gemm.launch(CONFIG, a=t(rows, o, dtype=dtype), weight=t(o, i, dtype=dtype), p=t(o, r, dtype=adapter_dtype),
+                    q=t(r, i, dtype=adapter_dtype), scale=0.5, out=t(rows, i, dtype=dtype),
+                    u=t(rows, r, dtype=torch.float32), lora_out=t(rows, i, dtype=dtype) if flag == "separate" else None)
+    gemm.warmup(CONFIG, rows, adapter_dtype, DEVICE)
+    launch, warmup = recorder.calls
+    assert signature(launch) == signature(warmup)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, dtype):
+    """The jobs of ``lora_linear.warmups`` are the template configurations its ops offer the autotuner."""
+    if DEVICE.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 GEMMs do not run under the interpreter")
+    offered = []
+
+    def choose(description, candidates, device):
+        offered.append(sorted(name for name in candidates if name.startswith("triton")))
+        return next(name for name in candidates if not name.startswith("triton"))
+
+    monkeypatch.setattr(autotune, "choose", choose)
+    lora_linear.forget_plans()
+    rows, i, o, r = 37, 48, 40, 4
+    x, weight = torch.randn(rows, i, device=DEVICE, dtype=dtype), torch.randn(o, i, device=DEVICE, dtype=dtype)
+    bias, lora_a, lora_b = torch.randn(o, device=DEVICE, dtype=dtype), torch.randn(r, i, device=DEVICE), torch.randn(o, r, device=DEVICE)
+    forward = [x, weight, bias, lora_a, lora_b, 0.5, None]
+    backward = [torch.randn(rows, o, device=DEVICE, dtype=dtype), x, weight, lora_a, lora_b, 0.5, True, True, False, True]
+    try:
+        for op, vals in ((lora_linear.lora_linear, forward), (lora_linear.lora_linear_backward, backward)):
+            offered.clear()
+            op(*vals)
+            jobs = lora_linear.warmups(op, vals, DEVICE)
+            assert sorted(f"triton {job.args[0]}" for job in jobs) == offered[0], op.__name__
+        assert len(lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)) > 0
+    finally:
+        lora_linear.forget_plans()
+
+
+def test_compile_ahead_runs_every_job_and_keeps_going_past_a_failure():
+    pytest.importorskip("triton.runtime._async_compile")
+    ran = []
+
+    def fails():
+        raise RuntimeError("no such kernel")
+
+    assert precompile.compile_ahead([lambda: ran.append(1), fails, lambda: ran.append(2)]) == 2
+    assert ran == [1, 2]
+    assert precompile.compile_ahead([]) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for a GPU")
+def test_a_launch_after_compile_ahead_compiles_nothing(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    pytest.importorskip("triton.runtime._async_compile")
+    fn, inputs = _case("rms_norm", torch.bfloat16)
+    gm, groups = _fused(fn, inputs)
+    kernels = [RowKernel(g.target) for g in groups]
+    rows, i, o, r = 4096, 256, 384, 16
+    gemm = LoraGemm("forward", i, o, r, torch.bfloat16, has_bias=True)
+    jobs = [functools.partial(k.warmup, DEVICE) for k in kernels] + [functools.partial(gemm.warmup, CONFIG, rows, torch.float32, DEVICE)]
+    assert precompile.compile_ahead(jobs) == len(jobs)
+    compiled = []
+    original = JITFunction._do_compile
+
+    def spy(self, *args, **kwargs):
+        compiled.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    gm.graph.eliminate_dead_code()
+    for node, kernel in zip(groups, kernels):
+        node.target = kernel
+    gm.recompile()
+    gm(*inputs)
+    t = functools.partial(torch.randn, device=DEVICE)
+    gemm.launch(CONFIG, a=t(rows, i, dtype=torch.bfloat16), weight=t(o, i, dtype=torch.bfloat16), p=t(r, i),
+                q=t(o, r), scale=0.5, out=torch.empty(rows, o, device=DEVICE, dtype=torch.bfloat16), bias=t(o, dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    assert compiled == []
