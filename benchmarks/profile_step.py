@@ -85,6 +85,16 @@ def cold(workload: str, batch: int, seq: int, out: str | None) -> str:
     vocab = bench.WORKLOADS[workload]["config"]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).cuda()
     optimizer = loracc.FusedAdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+    from triton.runtime.jit import JITFunction
+
+    compiles = []  # (kernel, compiled ahead or at its launch)
+    original = JITFunction._do_compile
+
+    def recording(self, key, signature, device, constexprs, options, attrs, warmup):
+        compiles.append((self.fn.__name__, "ahead" if warmup else "launch"))
+        return original(self, key, signature, device, constexprs, options, attrs, warmup)
+
+    JITFunction._do_compile = recording
     profiler = cProfile.Profile()
     times = {}
     start = time.perf_counter()
@@ -101,12 +111,16 @@ def cold(workload: str, batch: int, seq: int, out: str | None) -> str:
         torch.cuda.synchronize()
         times[f"step {i} done"] = time.perf_counter() - start
     profiler.disable()
+    JITFunction._do_compile = original
     text = io.StringIO()
+    at_launch = sorted(name for name, when in compiles if when == "launch")
+    text.write(f"kernels compiled ahead: {sum(when == 'ahead' for _, when in compiles)}; "
+               f"at their launch: {len(at_launch)} {at_launch}\n")
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(70)
     stats.sort_stats("tottime").print_stats(30)
     head = f"## cold first steps of loracc on {workload} {batch}x{seq}: " + ", ".join(
-        f"{name} at {t:.1f} s" for name, t in times.items())
+        f"{name} at {t:.1f} s" for name, t in times.items()) + "\n" + text.getvalue().splitlines()[0]
     text = head + "\n" + text.getvalue()
     if out:
         with open(os.path.join(out, f"cold-{workload}.txt"), "w") as f:
@@ -128,7 +142,11 @@ def _python_profile(step, steps: int) -> str:
         step()
     torch.cuda.synchronize()
     profiler.disable()
+    JITFunction._do_compile = original
     text = io.StringIO()
+    at_launch = sorted(name for name, when in compiles if when == "launch")
+    text.write(f"kernels compiled ahead: {sum(when == 'ahead' for _, when in compiles)}; "
+               f"at their launch: {len(at_launch)} {at_launch}\n")
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(40)

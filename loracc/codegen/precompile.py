@@ -57,17 +57,30 @@ def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> in
         return 0
     start = time.perf_counter()
     workers = min(len(jobs), os.cpu_count() or 1, 16)
-    submitted = 0
+    pending = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loracc-compile") as pool:
         try:
             with AsyncCompileMode(pool):
                 for job in jobs:
                     try:
-                        job()
-                        submitted += 1
+                        pending.append(job())
                     except Exception as exc:  # noqa: BLE001 - the launch will raise it with its context
                         log.debug("loracc: compiling ahead failed to start: %s", exc)
         except Exception as exc:  # noqa: BLE001 - one kernel that fails to compile: its launch says why
             log.debug("loracc: a kernel compiled ahead failed: %s", exc)
-    log.info("compiled %d %s ahead in %.1f s (%d threads)", submitted, what, time.perf_counter() - start, workers)
-    return submitted
+        # A kernel's first launch also loads it onto the GPU and builds its launcher (a C
+        # extension, compiled once per argument signature): done here too, side by side.
+        list(pool.map(_load, {id(k): k for k in pending}.values()))
+    log.info("compiled %d %s ahead in %.1f s (%d threads)", len(pending), what, time.perf_counter() - start, workers)
+    return len(pending)
+
+
+def _load(kernel) -> None:
+    try:
+        if hasattr(kernel, "future"):  # a FutureKernel: the compiled kernel, or the compile's error
+            kernel = kernel.result()
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            init()
+    except Exception as exc:  # noqa: BLE001 - its launch raises it again, where it is understood
+        log.debug("loracc: loading a kernel compiled ahead failed: %s", exc)
