@@ -90,9 +90,10 @@ def cold(workload: str, batch: int, seq: int, out: str | None) -> str:
     compiles = []  # (kernel, compiled ahead or at its launch)
     original = JITFunction._do_compile
 
-    def recording(self, key, signature, device, constexprs, options, attrs, warmup):
+    def recording(self, *args, **kwargs):
+        warmup = kwargs.get("warmup", args[-1] if args else False)  # _do_compile(key, ..., attrs, warmup)
         compiles.append((self.fn.__name__, "ahead" if warmup else "launch"))
-        return original(self, key, signature, device, constexprs, options, attrs, warmup)
+        return original(self, *args, **kwargs)
 
     JITFunction._do_compile = recording
     profiler = cProfile.Profile()
