@@ -24,7 +24,10 @@ CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 441 rows of a 152k vocabulary
 
 
 def chunk_rows_for(vocab: int, rows: int) -> int:
-    return max(1, min(rows, CHUNK_BYTES // (4 * vocab)))
+    """Rows per chunk: as many as CHUNK_BYTES of fp32 logits hold, a multiple of 16 where that is
+    at least 16 (every chunk's labels and losses then start on 16 bytes: one kernel variant)."""
+    n = CHUNK_BYTES // (4 * vocab)
+    return max(1, min(rows, n - n % 16 if n >= 16 else n))
 
 
 def workspace_bytes(vocab: int, chunk_rows: int, dtype: torch.dtype) -> int:

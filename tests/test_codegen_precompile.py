@@ -182,3 +182,23 @@ def test_a_launch_after_compile_ahead_compiles_nothing(monkeypatch):
                 q=t(o, r), scale=0.5, out=torch.empty(rows, o, device=DEVICE, dtype=torch.bfloat16), bias=t(o, dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert compiled == []
+
+
+def test_every_cross_entropy_chunk_launches_as_the_kernel_warmed_up(monkeypatch):
+    """Chunks start on 16-row boundaries, so one compiled variant serves them all."""
+    from loracc import cross_entropy as reference
+    from loracc.codegen import cross_entropy
+
+    recorder = Recorder()
+    monkeypatch.setattr(cross_entropy, "_kernel", lambda *args: recorder)
+    vocab, rows, dtype = 50, 100, torch.float32
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 4 * vocab * 37)  # 37 rows of logits: chunks of 32
+    hidden, weight = torch.randn(rows, 8, device=DEVICE, dtype=dtype), torch.randn(vocab, 8, device=DEVICE, dtype=dtype)
+    labels = torch.randint(0, vocab, (rows,), device=DEVICE)
+    chunk = reference.chunk_rows_for(vocab, rows)
+    assert chunk == 32
+    cross_entropy.linear_cross_entropy(hidden, weight, labels, torch.tensor(rows), -100, chunk)
+    cross_entropy.warmup(hidden, weight, labels, -100, DEVICE)
+    *launches, warmup = recorder.calls
+    assert len(launches) == 4 and warmup[0] == "warmup"
+    assert all(signature(launch) == signature(warmup) for launch in launches)

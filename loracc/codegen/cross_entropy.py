@@ -55,6 +55,16 @@ def linear_cross_entropy(hidden, weight, labels, count, ignore_index: int, chunk
     return row_loss.sum() * scale, grad_hidden
 
 
+def warmup(hidden, weight, labels, ignore_index: int, device: torch.device):
+    """Compile the kernel for these (traced) values without running it (``precompile``)."""
+    from .precompile import pointer
+
+    vocab, block = weight.shape[0], block_v(weight.shape[0], device)
+    return _kernel(vocab, weight.dtype, int(ignore_index), device).warmup(
+        pointer(weight.dtype), pointer(labels.dtype), pointer(torch.float32), pointer(torch.float32),
+        BLOCK_V=block, num_warps=8 if block >= 2048 else 4, grid=(1,))
+
+
 def unsupported(hidden, weight, labels) -> str | None:
     """Why the kernel cannot run this call (the reference op runs it), or None."""
     if weight.dtype not in DTYPE_NAMES or hidden.dtype != weight.dtype:
