@@ -121,14 +121,14 @@ def run_shape(tokens, in_f, out_f, rank, adapter_dtype) -> dict:
     layer = make_layer(tokens, in_f, out_f, rank, torch.bfloat16, adapter_dtype)
     row = {"in": in_f, "out": out_f, "tokens": tokens, "rank": rank, "adapter_dtype": str(adapter_dtype)}
     torch.cuda.synchronize()
+    before = set(autotune.decisions)
     start = time.perf_counter()
     got = loracc_step(layer)  # autotunes at this shape: compiles and times every candidate (cold)
     torch.cuda.synchronize()
     row["first_call_s"] = time.perf_counter() - start
     row["errors"] = [rel_err(g, e) for g, e in zip(got, reference_step(layer))]
     row["candidate_errors"] = check_candidates(layer)
-    names = _kernel_names(in_f, out_f, rank)
-    tuned = [d for d in autotune.decisions.values() if d["kernel"] in names and d["adapter_dtype"] == str(adapter_dtype)]
+    tuned = [d for key, d in autotune.decisions.items() if key not in before]  # the choices made at this shape
     row["choices"] = {d["op"]: d["choice"] for d in tuned}
     row["autotune_ms"] = {d["op"]: d["timings_ms"] for d in tuned}
     row["frozen_ms"] = bench(lambda: frozen_step(layer))
@@ -172,13 +172,6 @@ def graphed(fn) -> float | str:
         return bench(graph.replay)
     except Exception as exc:  # noqa: BLE001 - reported in the results
         return f"failed: {type(exc).__name__}: {exc}"[:200]
-
-
-def _kernel_names(in_f, out_f, rank):
-    from loracc.codegen.lora_gemm import LoraGemm
-
-    return {LoraGemm("forward", in_f, out_f, rank, torch.bfloat16).name,
-            LoraGemm("grad_input", in_f, out_f, rank, torch.bfloat16).name, f"grad_adapters_{in_f}x{out_f}_r{rank}"}
 
 
 def warm_first_call(tokens, in_f, out_f, rank) -> float:
