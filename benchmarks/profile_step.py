@@ -69,14 +69,15 @@ def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: s
     return lines[0]
 
 
-def cold(workload: str, batch: int, seq: int, out: str | None) -> str:
-    """cProfile over loracc.compile and the first step, in empty loracc and Triton caches."""
+def cold(workload: str, batch: int, seq: int, out: str | None, cache: str | None = None) -> str:
+    """cProfile over loracc.compile and the first step, in empty loracc and Triton caches (or in
+    ``cache``, which a previous run filled: the warm first step)."""
     import cProfile
     import io
     import pstats
     import tempfile
 
-    root = tempfile.mkdtemp(prefix="loracc-cold-")
+    root = cache or tempfile.mkdtemp(prefix="loracc-cold-")
     os.environ["LORACC_CACHE_DIR"] = f"{root}/loracc"
     os.environ["TRITON_CACHE_DIR"] = f"{root}/triton"
     import loracc
@@ -120,13 +121,14 @@ def cold(workload: str, batch: int, seq: int, out: str | None) -> str:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(70)
     stats.sort_stats("tottime").print_stats(30)
-    head = f"## cold first steps of loracc on {workload} {batch}x{seq}: " + ", ".join(
+    head = f"## {'warm' if cache and compiles == [] else 'cold'} first steps of loracc on {workload} {batch}x{seq}: " + ", ".join(
         f"{name} at {t:.1f} s" for name, t in times.items()) + "\n" + text.getvalue().splitlines()[0]
     text = head + "\n" + text.getvalue()
     if out:
-        with open(os.path.join(out, f"cold-{workload}.txt"), "w") as f:
+        name = f"{'warm' if cache and compiles == [] else 'cold'}-{workload}"
+        with open(os.path.join(out, f"{name}.txt"), "w") as f:
             f.write(text)
-        stats.dump_stats(os.path.join(out, f"cold-{workload}.prof"))
+        stats.dump_stats(os.path.join(out, f"{name}.prof"))
     return head
 
 
@@ -167,9 +169,10 @@ def main():
     parser.add_argument("--python", action="store_true", help="also profile the host's Python with cProfile")
     parser.add_argument("--cold", action="store_true",
                         help="profile loracc's compile and first steps in empty caches instead")
+    parser.add_argument("--cache", help="with --cold: the cache folder to use (run twice: the second run is warm)")
     args = parser.parse_args()
     if args.cold:
-        print(cold(args.workload, args.batch, args.seq, args.out))
+        print(cold(args.workload, args.batch, args.seq, args.out, args.cache))
         return
     summary = []
     for method in args.method or ["peft-eager", "loracc"]:
