@@ -77,6 +77,7 @@ def cold(workload: str, batch: int, seq: int, out: str | None, cache: str | None
     import pstats
     import tempfile
 
+    warm = bool(cache) and os.path.isdir(cache)
     root = cache or tempfile.mkdtemp(prefix="loracc-cold-")
     os.environ["LORACC_CACHE_DIR"] = f"{root}/loracc"
     os.environ["TRITON_CACHE_DIR"] = f"{root}/triton"
@@ -121,11 +122,11 @@ def cold(workload: str, batch: int, seq: int, out: str | None, cache: str | None
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(70)
     stats.sort_stats("tottime").print_stats(30)
-    head = f"## {'warm' if cache and compiles == [] else 'cold'} first steps of loracc on {workload} {batch}x{seq}: " + ", ".join(
+    head = f"## {'warm' if warm else 'cold'} first steps of loracc on {workload} {batch}x{seq}: " + ", ".join(
         f"{name} at {t:.1f} s" for name, t in times.items()) + "\n" + text.getvalue().splitlines()[0]
     text = head + "\n" + text.getvalue()
     if out:
-        name = f"{'warm' if cache and compiles == [] else 'cold'}-{workload}"
+        name = f"{'warm' if warm else 'cold'}-{workload}"
         with open(os.path.join(out, f"{name}.txt"), "w") as f:
             f.write(text)
         stats.dump_stats(os.path.join(out, f"{name}.prof"))
