@@ -2,7 +2,7 @@
 
     python benchmarks/fused_rows.py --workload qwen2-0.5b --workload llama-3.2-1b --out results/
 
-Part 1 (kernels): compiles the workload with loracc, takes every group the ``fusion`` pass made
+Part 1 (kernels): compiles the workload (or ``bert-base``: LayerNorm and GELU) with loracc, takes every group the ``fusion`` pass made
 in the block and head regions (forward and backward), and times its generated kernel and the same
 ops run eagerly (ATen, one kernel per op) on random inputs laid out as in the step, twice: called
 from Python (launch cost included, as in a step without CUDA graphs) and replayed from a CUDA
@@ -76,16 +76,41 @@ def _bytes(val: torch.Tensor) -> int:
     return span * val.element_size()
 
 
+# Kernels of a BERT-base-shaped encoder (LayerNorm, GELU), for --part kernels only: its row ops
+# are LayerNorm's where the decoder workloads have RMSNorm's.
+BERT = dict(batch=8, seq=512, layers=2, config=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                                      vocab_size=30522, max_position_embeddings=512))
+
+
+def _bert(device: str):
+    import peft
+    import transformers
+
+    config = transformers.BertConfig(num_hidden_layers=BERT["layers"], num_labels=3, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, **BERT["config"])
+    model = transformers.BertForSequenceClassification(config).to(device=device, dtype=torch.bfloat16)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["query", "key", "value", "dense"])
+    peft_model = peft.get_peft_model(model, lora)
+    ids = torch.randint(0, config.vocab_size, (BERT["batch"], BERT["seq"]), device=device)
+    labels = torch.randint(0, 3, (BERT["batch"],), device=device)
+    return peft_model, lambda: peft_model(input_ids=ids, labels=labels).loss
+
+
 def kernels(workload: str) -> list[dict]:
     import loracc
     from loracc.codegen.fused_rows import RowKernel
     from loracc.passes.fusion import FusedRows
 
-    model, peft_model, _ = bench.build_model(workload, "loracc", "cuda")
-    loracc.compile(peft_model, backend="triton")
-    spec = bench.WORKLOADS[workload]
-    ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device="cuda")
-    model(input_ids=ids, labels=ids).loss.backward()
+    if workload == "bert-base":
+        peft_model, loss = _bert("cuda")
+        loracc.compile(peft_model, backend="triton")
+    else:
+        model, peft_model, _ = bench.build_model(workload, "loracc", "cuda")
+        loracc.compile(peft_model, backend="triton")
+        spec = bench.WORKLOADS[workload]
+        ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device="cuda")
+        loss = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    loss().backward()
     rows = []
     for region in peft_model._loracc.regions:
         program = region.latest
@@ -160,7 +185,8 @@ def step(workload: str, variant: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS))
+    parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS) + ["bert-base"],
+                        help="repeatable; bert-base (a 2-layer BERT-base-shaped encoder, 8×512) for --part kernels only")
     parser.add_argument("--part", choices=["kernels", "steps", "all"], default="all")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variant", action="append", choices=["peft-eager", "loracc-nofusion", "loracc-nographs", "loracc", "loracc-graphs"])
