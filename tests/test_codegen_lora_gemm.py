@@ -60,8 +60,6 @@ def test_forward_kernel(dtype, config, has_bias, lora_in, rank):
     assert rel_err(y, expected) < TOL[dtype]
 
 
-@pytest.mark.xfail(DEVICE.type == "cuda", reason="bf16 dU/dX wrong on an H100 with Triton 3.6 at these shapes; "
-                   "lora_linear keeps 16-bit input gradients on cuBLAS until this passes", strict=False)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("lora_out", ["add", "separate"])
@@ -159,7 +157,9 @@ def test_unaligned_rows_are_left_to_cublas():
     assert len(lora_linear._template_impls(aligned, print)) == len(CONFIGS if DEVICE.type == "cpu" else GPU_CONFIGS)
 
 
-def test_16_bit_input_gradients_are_not_offered_the_template(monkeypatch):
+def test_16_bit_input_gradients_are_offered_the_template(monkeypatch):
+    """bf16 input gradients with fp32 adapters (the case Triton 3.6 got wrong while the kernel read
+    B along the rank) go to the autotuner with the template's configurations."""
     offered = {}
 
     def choose(description, candidates, device):
@@ -172,4 +172,4 @@ def test_16_bit_input_gradients_are_not_offered_the_template(monkeypatch):
     lora_linear.lora_linear_backward(randn(T, OUT, dtype=torch.bfloat16), layer["x"], layer["weight"], layer["lora_a"],
                                      layer["lora_b"], 0.5, True, True, False, False)
     lora_linear.forget_plans()
-    assert not any(name.startswith("triton") for name in offered["lora_linear_backward"])
+    assert any(name.startswith("triton") for name in offered["lora_linear_backward"])

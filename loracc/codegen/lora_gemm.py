@@ -127,8 +127,8 @@ class LoraGemm:
                   f"dU: [M, {r}] fp32", f"dX: [M, {i}] {dt}"] + ([f"dX': [M, {i}]"] if self.lora_out == "separate" else [])
         return dict(
             common, computes=computes, shapes=shapes, N=i, K=o, store_u=True,
-            W_STRIDE_K=i, W_STRIDE_N=1, P_STRIDE_K=r, P_STRIDE_R=1, Q_STRIDE_R=i, Q_STRIDE_N=1,
-            a_name="output gradient dY", w_name="frozen weight W", p_name="LoRA B", q_name="LoRA A",
+            W_STRIDE_K=i, W_STRIDE_N=1, P_STRIDE_K=1, P_STRIDE_R=o, Q_STRIDE_R=i, Q_STRIDE_N=1,
+            a_name="output gradient dY", w_name="frozen weight W", p_name="LoRA B, read from Bᵀ", q_name="LoRA A",
             u_name="rank-r gradient dU", lora_out_name="gradient of the dropped-out input",
         )
 
@@ -158,6 +158,9 @@ class LoraGemm:
         contiguous and written in full.
         """
         m = a.shape[0]
+        # The main loop reads B (grad_input) from a contiguous Bᵀ, along K as it reads A forward: read
+        # along the rank instead, Triton 3.6 computed a wrong dU in 16-bit on an H100 (test_grad_input_kernel).
+        p = p.t() if self.use == "grad_input" else p
         args = self._arguments(a.contiguous(), weight.contiguous(), p.contiguous(), q.contiguous(), out, bias, u, lora_out)
         n = self.out_features if self.use == "forward" else self.in_features
         grid = (triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n),)

@@ -9,8 +9,7 @@ is computed first and read by the epilogue. The cuBLAS candidates run the frozen
 rank-r term into its output, before or after it.
 
 Backward, ``dX = dY@W + dU@A`` with ``dU = s·dY@B``: the template computes ``dU`` in its main loop
-(no extra pass over ``dY``) and writes it out (fp32 only for now, see ``_grad_input``); the cuBLAS
-candidates compute ``dU`` first. Then the
+(no extra pass over ``dY``) and writes it out; the cuBLAS candidates compute ``dU`` first. Then the
 adapter gradients ``dA = dUᵀ@lora_in`` and ``dB = s·dYᵀ@u`` with ``u = lora_in@Aᵀ`` recomputed
 (only ``lora_in`` is saved): rank-r GEMMs that materialize nothing of size ``T × out``.
 
@@ -222,14 +221,10 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
 
 
 def _grad_input_gemm(dtype, weight, lora_a, flags) -> LoraGemm | None:
-    """The template instance for the input gradient, or None where it stays on cuBLAS.
-
-    16-bit input gradients stay on cuBLAS: on an H100 (Triton 3.6) the template's bf16 dU/dX were
-    wrong at small odd shapes with fp32 adapters (test_grad_input_kernel), though right at the
-    benchmark's shapes; until that is understood no 16-bit gradient comes from it.
-    """
+    """The template instance for the input gradient, or None where it stays on cuBLAS (no input
+    gradient, or one the LoRA branch does not add to)."""
     lora_in_is_x, need_grad_x, need_grad_lin = flags
-    if not (need_grad_x and (lora_in_is_x or need_grad_lin) and dtype == torch.float32):
+    if not (need_grad_x and (lora_in_is_x or need_grad_lin)):
         return None
     out_features, in_features = weight.shape
     return LoraGemm("grad_input", in_features, out_features, lora_a.shape[0], dtype,
