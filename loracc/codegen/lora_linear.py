@@ -94,11 +94,22 @@ def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple,
     return impl
 
 
+# A 16-bit input gradient from the template beat cuBLAS on an H100 only where the dX GEMM's K (the
+# layer's out_features) is short, and there with the widest tile (benchmarks/results/lora_linear_h100.md:
+# 2048 → 512, 0.057 vs 0.069 ms; at 2048 → 2048 and above cuBLAS won): elsewhere its compiles would
+# only lengthen the first step.
+GRAD_INPUT_16BIT_MAX_K = 512
+
+
 def _template_configs(gemm: LoraGemm | None) -> tuple:
     """The template configurations the autotuner tries for ``gemm`` (none where the template cannot run it)."""
     if gemm is None or gemm.rank > MAX_RANK or not gemm.rows_aligned:
         return ()
-    return INTERPRETER_CONFIGS if interpreting() else GPU_CONFIGS
+    if interpreting():
+        return INTERPRETER_CONFIGS
+    if gemm.use == "grad_input" and gemm.dtype != torch.float32:
+        return GPU_CONFIGS[:1] if gemm.out_features <= GRAD_INPUT_16BIT_MAX_K else ()
+    return GPU_CONFIGS
 
 
 def _template_impls(gemm: LoraGemm | None, run) -> dict[str, Callable]:
