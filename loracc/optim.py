@@ -190,6 +190,7 @@ class FusedAdamW(torch.optim.Optimizer):
         for buffer in buffers:
             for i, p in enumerate(buffer.params):
                 self.state[p] = buffer.state(i)
+            _compile_ahead(buffer.data)
         self._flat_buffers.append(buffers)
 
     def flat_grads(self, group_index: int | None = None) -> list[Tensor]:
@@ -290,6 +291,10 @@ def _check_group(group: dict) -> None:
         raise LoraccError(f"FusedAdamW: betas must be two numbers in [0, 1), got {betas}")
 
 
+# The kernel's scalar arguments, after the four tensors and their length.
+SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "step_size", "bias_correction2_sqrt")
+
+
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict, step: float) -> None:
     """One AdamW step, in place, on flat tensors at step count ``step`` (already advanced).
 
@@ -302,6 +307,9 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
                    eps=eps, step_size=lr / (1 - beta1 ** step), bias_correction2_sqrt=(1 - beta2 ** step) ** 0.5)
     reason = _kernel_unavailable(param)
     if reason is None:
+        compiling = _compiling.pop((param.dtype, param.device), None)
+        if compiling is not None:
+            compiling.result()
         kernel = _kernel(KERNEL_DTYPES[param.dtype], param.device)
         kernel[(-(-param.numel() // BLOCK),)](param, grad, exp_avg, exp_avg_sq, param.numel(), **scalars,
                                                BLOCK=BLOCK, num_warps=4)
@@ -325,6 +333,32 @@ def _kernel_unavailable(param: Tensor) -> str | None:
     from .codegen.triton_backend import available
 
     return available(param.device)
+
+
+# (dtype, device) → the Future of the kernel's compile, started when the optimizer was built.
+_compiling: dict = {}
+
+
+def _compile_ahead(data: Tensor) -> None:
+    """Compile the kernel for ``data`` (a flat parameter buffer) on a background thread, while the
+    first forward and backward run, instead of at the first ``step()`` (on a GPU, the kernel's only
+    compile; the first step waits for it)."""
+    key = (data.dtype, data.device)
+    if data.device.type != "cuda" or key in _compiling or _kernel_unavailable(data) is not None:
+        return
+    from .codegen import precompile
+
+    _compiling[key] = precompile.in_background(functools.partial(_warmup, data))
+
+
+def _warmup(data: Tensor):
+    """Compile (not run) the kernel as ``adamw_update`` launches it on the flat buffer ``data``."""
+    from .codegen.precompile import pointer
+
+    fp32 = pointer(torch.float32)
+    return _kernel(KERNEL_DTYPES[data.dtype], data.device).warmup(
+        pointer(data), pointer(data), fp32, fp32, data.numel(), **dict.fromkeys(SCALARS, 1.0), BLOCK=BLOCK, num_warps=4,
+        grid=(1,))
 
 
 @functools.cache

@@ -202,3 +202,22 @@ def test_every_cross_entropy_chunk_launches_as_the_kernel_warmed_up(monkeypatch)
     *launches, warmup = recorder.calls
     assert len(launches) == 4 and warmup[0] == "warmup"
     assert all(signature(launch) == signature(warmup) for launch in launches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_adamw_kernel_warms_up_as_it_launches(monkeypatch, dtype):
+    """FusedAdamW compiles its kernel while the first forward runs: for the launch its step makes."""
+    from loracc import optim
+
+    recorder = Recorder()
+    monkeypatch.setattr(optim, "_kernel", lambda *args: recorder)
+    params = [torch.nn.Parameter(torch.randn(37, 5, device=DEVICE, dtype=dtype)), torch.nn.Parameter(torch.randn(11, device=DEVICE, dtype=dtype))]
+    optimizer = optim.FusedAdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    optim._warmup(optimizer._flat_buffers[0][0].data)  # on a GPU the optimizer also did, in the background
+    launches = [c for c in recorder.calls if c[0] == "launch"]
+    warmups = [c for c in recorder.calls if c[0] == "warmup"]
+    assert len(launches) == 1 and warmups
+    assert all(signature(w) == signature(launches[0]) for w in warmups)

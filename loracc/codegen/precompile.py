@@ -75,6 +75,18 @@ def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> in
     return len(pending)
 
 
+_background: ThreadPoolExecutor | None = None
+
+
+def in_background(job: Callable[[], object]):
+    """Start ``job`` (a kernel's ``warmup``) on a background thread, and load the kernel there too;
+    a ``Future`` whose ``result()`` waits for it (wait before the kernel's first launch)."""
+    global _background
+    if _background is None:
+        _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loracc-compile-background")
+    return _background.submit(lambda: _load(job()))
+
+
 def _load(kernel) -> None:
     try:
         if hasattr(kernel, "future"):  # a FutureKernel: the compiled kernel, or the compile's error
