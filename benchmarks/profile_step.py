@@ -146,11 +146,7 @@ def _python_profile(step, steps: int) -> str:
         step()
     torch.cuda.synchronize()
     profiler.disable()
-    JITFunction._do_compile = original
     text = io.StringIO()
-    at_launch = sorted(name for name, when in compiles if when == "launch")
-    text.write(f"kernels compiled ahead: {sum(when == 'ahead' for _, when in compiles)}; "
-               f"at their launch: {len(at_launch)} {at_launch}\n")
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(40)
