@@ -55,7 +55,7 @@ def linear_cross_entropy(hidden, weight, labels, count, ignore_index: int, chunk
     return row_loss.sum() * scale, grad_hidden
 
 
-def warmup(hidden, weight, labels, ignore_index: int, device: torch.device):
+def warmup(weight, labels, ignore_index: int, device: torch.device):
     """Compile the kernel for these (traced) values without running it (``precompile``)."""
     from .precompile import pointer
 

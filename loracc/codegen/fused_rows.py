@@ -417,7 +417,6 @@ class RowKernel:
                                   num_warps=self.num_warps)
         return tuple(outputs)
 
-
     def warmup(self, device: torch.device):
         """Compile the kernel for the traced graph's values, without running it (``precompile``)."""
         from .precompile import pointer

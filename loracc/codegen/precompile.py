@@ -4,8 +4,10 @@ Triton compiles a kernel at its first launch, so a first step would compile a fe
 after the other (on an H100 host about a second each, most of it in ``ptxas``, a subprocess:
 benchmarks/profile_step.py --cold). Before a compiled graph first runs, the Triton backend hands
 every kernel it is about to launch (each fused row kernel, each candidate configuration of the LoRA
-GEMM template) to Triton's asynchronous compile mode with a pool of threads: the compilers run side
-by side, and the first launches find their kernels compiled.
+GEMM template, the cross-entropy kernel) to Triton's asynchronous compile mode with a pool of
+threads: the compilers run side by side, then each kernel is loaded and its launcher built, and the
+first launches find them ready. ``loracc.FusedAdamW`` starts its kernel's compile on a background
+thread when it is built (``in_background``), while the first forward and backward run.
 
 A kernel is compiled ahead from its signature: the dtypes of its pointer arguments, where they start
 modulo 16 bytes, and the values of its integer arguments, all known from the traced graph. A launch
@@ -17,6 +19,7 @@ asynchronous mode.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -31,9 +34,18 @@ log = logging.getLogger("loracc")
 def pointer(val) -> object:
     """A stand-in for the tensor argument ``val`` (a tensor or the traced graph's fake value): its
     dtype, and a start address with the same alignment; or for an aligned tensor of dtype ``val``."""
+    if isinstance(val, torch.dtype):
+        return _pointer_class()(val, 0)
+    return _pointer_class()(val.dtype, val.storage_offset() * val.element_size() % 16)
+
+
+@functools.cache
+def _pointer_class():
     from triton.runtime.jit import MockTensor
 
     class Pointer(MockTensor):
+        """Triton's MockTensor (a dtype that compiles as a pointer) at a given address."""
+
         def __init__(self, dtype, address: int):
             super().__init__(dtype)
             self.address = address
@@ -41,9 +53,7 @@ def pointer(val) -> object:
         def data_ptr(self) -> int:
             return self.address
 
-    if isinstance(val, torch.dtype):
-        return Pointer(val, 0)
-    return Pointer(val.dtype, val.storage_offset() * val.element_size() % 16)
+    return Pointer
 
 
 def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> int:
