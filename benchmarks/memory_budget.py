@@ -18,7 +18,9 @@ stdout, and with matplotlib a plot of peak memory and tokens/s against the budge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -32,30 +34,12 @@ BUDGETS = ["none", "1.0", "0.75", "0.5", "0.25", "0.1", "0.0", "8GB"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-SAVE_ALL = "save-all"  # not a loracc budget: the fastest plan with no rematerialization at all, for comparison
+SAVE_ALL = "save-all"  # not a loracc budget: nothing rematerialized (remat.saving_everything), for comparison
 
 
 def budget_value(text: str):
     """'none' or 'save-all' → None, '0.5' → 0.5 (a fraction), '8GB' → '8GB', '8000000000' → int bytes."""
     return None if text.lower() in ("none", SAVE_ALL) else bench.parse_budget(text)
-
-
-def save_everything() -> None:
-    """Make the remat pass save every forward value the backward reads, as autograd does: nothing is
-    recomputed but views (taken again from their saved base). The reference that the default plan
-    (which recomputes cheap ops: norms, activations, casts) is compared with."""
-    import importlib
-
-    from loracc.graph import info
-
-    remat = importlib.import_module("loracc.passes.remat")  # the module (loracc.passes.remat is also the pass)
-    never_recomputed = remat._never_recomputed
-
-    def everything(nodes):
-        forward = {n for n in nodes if info(n).get("phase") != "backward" and remat._save_bytes(n) is not None}
-        return never_recomputed(nodes) | forward
-
-    remat._never_recomputed = everything
 
 
 def persistent_bytes(peft_model) -> int:
@@ -75,12 +59,13 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
     record = dict(workload=workload, budget=budget_text, batch=batch, seq=seq, status="ok")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, peft_model, _ = bench.build_model(workload, "loracc", device)
-    if budget_text == SAVE_ALL:
-        save_everything()
+    remat = importlib.import_module("loracc.passes.remat")  # the module (loracc.passes.remat is also the pass)
+    plans = remat.saving_everything() if budget_text == SAVE_ALL else contextlib.nullcontext()
     try:
-        loracc.compile(peft_model, memory_budget=budget_value(budget_text))
-        args = SimpleNamespace(workload=workload, method="loracc", batch=batch, seq=seq, steps=steps, warmup=warmup)
-        record.update(bench.train(model, peft_model, args, device))
+        with plans:  # the plans are made at the first steps
+            loracc.compile(peft_model, memory_budget=budget_value(budget_text))
+            args = SimpleNamespace(workload=workload, method="loracc", batch=batch, seq=seq, steps=steps, warmup=warmup)
+            record.update(bench.train(model, peft_model, args, device))
     except loracc.LoraccError as exc:
         return {**record, "status": "refused", "error": str(exc)}
     except torch.cuda.OutOfMemoryError as exc:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -16,13 +17,18 @@ from loracc.graph import info, placeholders
 from loracc.passes import remat
 from loracc.passes.memory_plan import activation_bytes, value_bytes
 from loracc.passes.partition import is_random, split
-from loracc.passes.remat import FASTEST, Budget, Cut, parse_budget
+from loracc.passes.remat import FASTEST, Budget, Cut, parse_budget, saving_everything
 from conftest import rel_err
 from test_partition import assert_split_matches_joint, reads_of_backward
 
 pytest.importorskip("peft")
 
 BUDGETS = [None, 1.0, 0.5, 0.0]
+aten = torch.ops.aten
+VIEWS = {aten.view.default, aten.transpose.int, aten.unsqueeze.default, aten.expand.default, aten.t.default,
+         aten.permute.default, aten.slice.Tensor, aten.detach.default, aten.alias.default, aten._unsafe_view.default,
+         aten.reshape.default, aten.squeeze.dim, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+         operator.getitem}
 
 
 @pytest.mark.parametrize(
@@ -83,6 +89,27 @@ def test_gradients_equal_eager_peft_under_every_budget(family, dropout):
         saved.append(block.reports["remat"]["saved bytes"])
     assert saved[0] == saved[1] >= saved[2] >= saved[3]
     assert saved[3] < saved[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_saving_everything_recomputes_only_views_and_trains_like_eager(family):
+    """The other end from budget 0: nothing recomputed (the plan the default is compared with)."""
+    eager, batch = presets.preset(family, layers=2, dropout=0.1)
+    loss_e = _step(eager, batch)
+    compiled = loracc.compile(copy.deepcopy(eager), backend="eager")
+    with saving_everything():
+        loss_c = _step(compiled, batch, backward_seed=99)
+    assert rel_err(loss_c, loss_e) <= 1e-5
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name
+    program = next(r for r in compiled._loracc.regions if r.kind == "block").latest
+    joint = program.stages["joint"]
+    recomputed = [n for n in joint.graph.nodes if info(n).get("recomputed") is not None]
+    assert all(n.target in VIEWS for n in recomputed), [str(n.target) for n in recomputed if n.target not in VIEWS]
+    fastest = remat(joint, program.n_outputs, None).report["saved bytes"]
+    with saving_everything():
+        assert remat(joint, program.n_outputs, None).report["saved bytes"] > fastest
 
 
 @pytest.fixture(scope="module")
