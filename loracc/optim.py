@@ -348,7 +348,7 @@ def _compile_ahead(data: Tensor) -> None:
         return
     from .codegen import precompile
 
-    _compiling[key] = precompile.in_background(functools.partial(_warmup, data))
+    _compiling[key] = precompile.in_background(functools.partial(_warmup, data), data.device)
 
 
 def _warmup(data: Tensor):

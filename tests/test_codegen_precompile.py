@@ -147,9 +147,9 @@ def test_compile_ahead_runs_every_job_and_keeps_going_past_a_failure():
     def fails():
         raise RuntimeError("no such kernel")
 
-    assert precompile.compile_ahead([lambda: ran.append(1), fails, lambda: ran.append(2)]) == 2
+    assert precompile.compile_ahead([lambda: ran.append(1), fails, lambda: ran.append(2)], None) == 2
     assert ran == [1, 2]
-    assert precompile.compile_ahead([]) == 0
+    assert precompile.compile_ahead([], None) == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for a GPU")
@@ -163,7 +163,7 @@ def test_a_launch_after_compile_ahead_compiles_nothing(monkeypatch):
     rows, i, o, r = 4096, 256, 384, 16
     gemm = LoraGemm("forward", i, o, r, torch.bfloat16, has_bias=True)
     jobs = [functools.partial(k.warmup, DEVICE) for k in kernels] + [functools.partial(gemm.warmup, CONFIG, rows, torch.float32, DEVICE)]
-    assert precompile.compile_ahead(jobs) == len(jobs)
+    assert precompile.compile_ahead(jobs, DEVICE) == len(jobs)
     compiled = []
     original = JITFunction._do_compile
 
@@ -221,3 +221,20 @@ def test_the_adamw_kernel_warms_up_as_it_launches(monkeypatch, dtype):
     warmups = [c for c in recorder.calls if c[0] == "warmup"]
     assert len(launches) == 1 and warmups
     assert all(signature(w) == signature(launches[0]) for w in warmups)
+
+
+def test_kernels_are_loaded_on_the_graphs_device(monkeypatch):
+    """Triton loads a kernel onto the current device, and a pool thread starts on device 0: a model
+    on another GPU must get its kernels loaded there."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.append(device))
+
+    class Compiled:
+        loaded_on = None
+
+        def _init_handles(self):
+            self.loaded_on = current[-1]
+
+    kernel = Compiled()
+    precompile._load(kernel, torch.device("cuda", 1))
+    assert kernel.loaded_on == torch.device("cuda", 1)

@@ -19,6 +19,7 @@ asynchronous mode.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -56,9 +57,10 @@ def _pointer_class():
     return Pointer
 
 
-def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> int:
-    """Run ``jobs`` (each calls one kernel's ``warmup``) with their compiles in parallel, and wait
-    for them; the number of kernels submitted."""
+def compile_ahead(jobs: list[Callable[[], object]], device: torch.device | None, what: str = "kernels") -> int:
+    """Run ``jobs`` (each calls one kernel's ``warmup`` for ``device``) with their compiles in
+    parallel, and wait for them; the number of kernels submitted. Triton compiles and loads for the
+    current device, so every step runs with ``device`` current, in this thread and in the pool's."""
     if not jobs:
         return 0
     try:
@@ -68,7 +70,8 @@ def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> in
     start = time.perf_counter()
     workers = min(len(jobs), os.cpu_count() or 1, 16)
     pending = []
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loracc-compile") as pool:
+    on_device = torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loracc-compile") as pool, on_device:
         try:
             with AsyncCompileMode(pool):
                 for job in jobs:
@@ -80,7 +83,7 @@ def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> in
             log.debug("loracc: a kernel compiled ahead failed: %s", exc)
         # A kernel's first launch also loads it onto the GPU and builds its launcher (a C
         # extension, compiled once per argument signature): done here too, side by side.
-        list(pool.map(_load, {id(k): k for k in pending}.values()))
+        list(pool.map(functools.partial(_load, device=device), {id(k): k for k in pending}.values()))
     log.info("compiled %d %s ahead in %.1f s (%d threads)", len(pending), what, time.perf_counter() - start, workers)
     return len(pending)
 
@@ -88,17 +91,25 @@ def compile_ahead(jobs: list[Callable[[], object]], what: str = "kernels") -> in
 _background: ThreadPoolExecutor | None = None
 
 
-def in_background(job: Callable[[], object]):
-    """Start ``job`` (a kernel's ``warmup``) on a background thread, and load the kernel there too;
-    a ``Future`` whose ``result()`` waits for it (wait before the kernel's first launch)."""
+def in_background(job: Callable[[], object], device: torch.device):
+    """Start ``job`` (a kernel's ``warmup`` for ``device``) on a background thread, and load the
+    kernel there too; a ``Future`` whose ``result()`` waits for it (wait before its first launch)."""
     global _background
     if _background is None:
         _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loracc-compile-background")
-    return _background.submit(lambda: _load(job()))
+
+    def run():
+        with torch.cuda.device(device):
+            _load(job(), device)
+
+    return _background.submit(run)
 
 
-def _load(kernel) -> None:
+def _load(kernel, device: torch.device | None) -> None:
+    """Load ``kernel`` (compiled, or a FutureKernel) onto ``device`` and build its launcher."""
     try:
+        if device is not None:
+            torch.cuda.set_device(device)  # a pool thread starts on device 0
         if hasattr(kernel, "future"):  # a FutureKernel: the compiled kernel, or the compile's error
             kernel = kernel.result()
         init = getattr(kernel, "_init_handles", None)

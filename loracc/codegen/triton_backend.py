@@ -107,7 +107,7 @@ class TritonBackend:
             self.report.append(entry)
         gm.recompile()
         if self.device.type == "cuda":
-            precompile.compile_ahead(ahead, f"kernels of the {stage} graph")
+            precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
         # save, and its trial capture would come at the step's memory peak, weights copied.
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):
