@@ -68,6 +68,7 @@ def compile_ahead(jobs: list[Callable[[], object]], device: torch.device | None,
     except ImportError:  # a Triton without the asynchronous mode: kernels compile at their launches
         return 0
     start = time.perf_counter()
+    device = _indexed(device)
     workers = min(len(jobs), os.cpu_count() or 1, 16)
     pending = []
     on_device = torch.cuda.device(device) if device is not None else contextlib.nullcontext()
@@ -98,11 +99,20 @@ def in_background(job: Callable[[], object], device: torch.device):
     if _background is None:
         _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loracc-compile-background")
 
+    device = _indexed(device)
+
     def run():
         with torch.cuda.device(device):
             _load(job(), device)
 
     return _background.submit(run)
+
+
+def _indexed(device: torch.device | None) -> torch.device | None:
+    """``device`` with its index ("cuda" is the current device)."""
+    if device is None or device.index is not None:
+        return device
+    return torch.device(device.type, torch.cuda.current_device())
 
 
 def _load(kernel, device: torch.device | None) -> None:
