@@ -17,13 +17,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
 from loracc.codegen import autotune, lora_linear, precompile  # noqa: E402
 from loracc.codegen.fused_rows import RowKernel  # noqa: E402
 from loracc.codegen.lora_gemm import LoraGemm  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
-
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
-
 from loracc.passes.fusion import FusedRows, fusion  # noqa: E402
 from test_codegen_fused_rows import _case  # noqa: E402
 
