@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib
 import json
 import os
 import sys
@@ -54,13 +53,13 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
     import torch
 
     import loracc
+    from loracc.passes.remat import saving_everything
     from loracc.pipeline import predicted_peak_bytes
 
     record = dict(workload=workload, budget=budget_text, batch=batch, seq=seq, status="ok")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, peft_model, _ = bench.build_model(workload, "loracc", device)
-    remat = importlib.import_module("loracc.passes.remat")  # the module (loracc.passes.remat is also the pass)
-    plans = remat.saving_everything() if budget_text == SAVE_ALL else contextlib.nullcontext()
+    plans = saving_everything() if budget_text == SAVE_ALL else contextlib.nullcontext()
     try:
         with plans:  # the plans are made at the first steps
             loracc.compile(peft_model, memory_budget=budget_value(budget_text))

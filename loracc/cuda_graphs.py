@@ -247,13 +247,13 @@ class Replayer:
             torch.cuda.synchronize()
             return self.fn(*inputs) if outputs is None else outputs
         if self.mode == "on":
-            self._keep(graphed, "CUDA graph (cuda_graphs=True)")
+            self._keep("CUDA graph (cuda_graphs=True)")
             log.info("captured %s as a CUDA graph", self.name)
             return self._run(graphed, inputs)
         replay_s = min(_timed(lambda: graphed(*inputs))[0] for _ in range(3))
         timing = f"replay {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms from Python"
         if replay_s <= KEEP_BELOW * python_s:
-            self._keep(graphed, f"CUDA graph ({timing})")
+            self._keep(f"CUDA graph ({timing})")
             log.info("%s: %s", self.name, self.decision)
             # The graph's own outputs, lent as at every replay: the Python call's saved tensors are
             # freed rather than held next to the graph's (and its backward can measure at this layer).
@@ -269,7 +269,7 @@ class Replayer:
         log.info("%s: %s", self.name, self.decision)
         return outputs
 
-    def _keep(self, graphed: Graphed, decision: str) -> None:
+    def _keep(self, decision: str) -> None:
         self.kept, self.decision = True, decision
 
     def _drop(self, decision: str) -> None:
@@ -348,7 +348,6 @@ class Replayer:
             del self.layer_graphs[stale]
         self.layer_graphs[key] = graphed
         return graphed
-
 
     def _in_place(self, key, n: int) -> list[bool]:
         """Which inputs the graph for ``key`` reads where they are: a forward's parameters and

@@ -410,19 +410,22 @@ class RowKernel:
         ]
         if not self.wide_offsets and self._reaches_past_int32(inputs, out):
             return self._wide(*inputs, out=outputs)
-        operands = {"in": inputs, "out": outputs}
-        strides = [operands[kind][index].stride(dim) for kind, index, dim in self.stride_of]
+        strides = self._strides(inputs, outputs)
         grid = (-(-self.n_rows // self.block_r),)
         self.kernel(device)[grid](*inputs, *outputs, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
                                   num_warps=self.num_warps)
         return tuple(outputs)
 
+    def _strides(self, inputs, outputs) -> list[int]:
+        """The stride arguments of a launch on these inputs and outputs."""
+        operands = {"in": inputs, "out": outputs}
+        return [operands[kind][index].stride(dim) for kind, index, dim in self.stride_of]
+
     def warmup(self, device: torch.device):
         """Compile the kernel for the traced graph's values, without running it (``precompile``)."""
         from .precompile import pointer
 
-        values = {"in": self.input_vals, "out": self.output_vals}
-        strides = [values[kind][index].stride(dim) for kind, index, dim in self.stride_of]
+        strides = self._strides(self.input_vals, self.output_vals)
         args = [pointer(v) if isinstance(v, torch.Tensor) else v for v in [*self.input_vals, *self.output_vals]]
         return self.kernel(device).warmup(*args, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
                                           num_warps=self.num_warps, grid=(1,))

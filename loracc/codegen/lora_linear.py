@@ -124,7 +124,7 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
     else:
         grad_y, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
-        gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, (lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x))
+        gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
     if gemm is None:
         return []
     rows = vals[0].numel() // vals[0].shape[-1]
@@ -189,7 +189,7 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a
     lin2 = _rows(lora_in, in_features)
     # fp32 adapters next to a 16-bit base: cast once here, for every product below.
     a_c, b_c = lora_a.to(gy2.dtype), lora_b.to(gy2.dtype)
-    flags = (lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x)
+    flags = _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in)
     grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags)
     args = (gy2, lin2, grad_u, a_c, scale, lora_a.dtype)
     key = _key("lora_linear_grad_adapters", gy2, lin2, grad_u, lora_a)
@@ -204,6 +204,12 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a
         grad_b,
         or_empty(gy2.sum(0) if need_grad_bias else None, grad_y),
     )
+
+
+def _grad_flags(lora_in_is_x: bool, need_grad_x: bool, need_grad_lora_in: bool) -> tuple[bool, bool, bool]:
+    """``(lora_in_is_x, need_grad_x, need_grad_lin)``: a separate gradient of the LoRA branch's
+    input only when that input is not x itself (dropout)."""
+    return lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x
 
 
 def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
