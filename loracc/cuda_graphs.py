@@ -30,7 +30,10 @@ otherwise it is captured again (it then comes after them) or, past ``max_capture
 Python. A training loop settles within two steps into the order forwards 0..n then backwards n..0,
 in which no replay ever waits. A lease is released by its backward (or when autograd drops the
 call's context); a second backward through the same call (``retain_graph=True``) checks that no
-replay has overwritten the lent outputs since (``Lease.intact``) and otherwise raises.
+replay has overwritten the lent outputs since (``Lease.intact``) and otherwise raises. An output
+that is not lent (a layer's hidden states, the gradient of its input) is written, last, into the
+buffer one of the graph's copied inputs of its shape went to (``routes``), and copied out from
+there: no graph keeps memory of its own for it.
 
 ``Replayer`` decides per graph, after its first call (which compiles and autotunes); the Triton
 backend gives one to each graph of a repeated block (and with ``cuda_graphs=True`` to every graph):
@@ -39,12 +42,14 @@ backend gives one to each graph of a repeated block (and with ``cuda_graphs=True
 - ``mode="auto"``: time the second and third calls run from Python (kernel launches included,
   synchronized), then capture, time the replay (best of three), and keep graphs only if a replay
   takes at most ``KEEP_BELOW`` of the faster Python call: a step bound by launching kernels (small
-  hidden sizes) gains, a GPU-bound one would only pay the copies and the memory. Two Python calls,
-  because one taken in the first step can include the caching allocator growing (on an H100, one
-  such call made a Llama-3.2-1B layer look 1.28× slower than a replay: a graph kept for nothing but
-  its memory). A backward given ``after=`` its forward waits for the forward's decision and tries
-  only if that forward kept its graphs (so a GPU-bound model never captures its backward, where the
-  step's memory peaks). Until the backward decides, the forward replays only the layer it measured;
+  hidden sizes) gains, a GPU-bound one would only pay the copies. Two Python calls, because one
+  taken in the first step can include the caching allocator growing (on an H100, one such call made
+  a Llama-3.2-1B layer look 1.28× slower than a replay). A backward given ``after=`` its forward
+  waits for the forward's decision and tries only if that forward kept its graphs (so a GPU-bound
+  model never captures its backward, where the step's memory peaks); it then decides for the pair,
+  forward and backward times added: a Llama-3.2-1B layer's forward is bound by launching its
+  kernels, its backward by the GPU, and the step gains from the pair (on an H100, 2026-11-22: +3.5%
+  tokens/s). Until the backward decides, the forward replays only the layer it measured;
   if the backward stays in Python, the forward drops its graphs too (forward graphs alone would keep
   every layer's saved tensors in the pool, apart from the memory the backward allocates).
 """
@@ -62,7 +67,7 @@ from .errors import LoraccError
 log = logging.getLogger("loracc")
 
 _PYTHON = object()  # Replayer._key: this call runs from Python
-KEEP_BELOW = 0.8  # mode "auto": a graph stays when a replay takes at most this fraction of a Python call
+KEEP_BELOW = 0.95  # mode "auto": graphs stay when a replay takes at most this fraction of a Python call
 PYTHON_TIMINGS = 2  # mode "auto": Python calls timed before the capture (the fastest counts)
 
 
@@ -129,7 +134,8 @@ class Graphed:
     """``fn`` captured over ``static_inputs``: those marked ``in_place`` are the caller's own
     tensors (read where they are; a call must pass those very tensors), the others are buffers each
     call's inputs are copied into. Outputs from index ``lend_from`` on are returned as they are (lent),
-    the others as copies (an output that is an input: the caller's tensor)."""
+    the others as copies (an output that is an input: the caller's tensor), made from the copied
+    inputs' buffers where ``routes`` put them."""
 
     def __init__(self, fn, static_inputs: list[torch.Tensor], pool=None, in_place: tuple[bool, ...] = (),
                  lend_from: int | None = None, side: torch.cuda.Stream | None = None):
@@ -140,14 +146,18 @@ class Graphed:
         side = side if side is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(*self.static_inputs)  # warm-up, as capture requires (the graphs never write their inputs)
+            outputs = list(fn(*self.static_inputs))  # warm-up, as capture requires (fn never writes its inputs)
         torch.cuda.current_stream().wait_stream(side)
+        self.lend_from = len(outputs) if lend_from is None else lend_from  # None: lends nothing
+        self.routes = routes(self.static_inputs, outputs, self.in_place, self.lend_from)
+        del outputs
         with torch.cuda.graph(self.graph, pool=pool):
-            outputs = fn(*self.static_inputs)
-        self.static_outputs = list(outputs)
-        self.lend_from = len(self.static_outputs) if lend_from is None else lend_from  # None: lends nothing
+            outputs = list(fn(*self.static_inputs))
+            for j, k in self.routes.items():  # last: every read of the input buffer comes before
+                outputs[j] = self.static_inputs[k].copy_(outputs[j])
+        self.static_outputs = outputs
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
-        self.passthrough = [ids.get(id(t)) for t in self.static_outputs]
+        self.passthrough = [None if j in self.routes else ids.get(id(t)) for j, t in enumerate(self.static_outputs)]
 
     @property
     def lends(self) -> bool:
@@ -201,6 +211,7 @@ class Replayer:
         self.failed: str | None = None
         self.decision: str | None = None
         self.python_s: list[float] = []  # mode "auto": the Python calls timed so far
+        self.timing: tuple[float, float] | None = None  # mode "auto": (replay, Python) seconds measured
 
     @property
     def graphed(self) -> Graphed | None:
@@ -252,6 +263,10 @@ class Replayer:
             return self._run(graphed, inputs)
         replay_s = min(_timed(lambda: graphed(*inputs))[0] for _ in range(3))
         timing = f"replay {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms from Python"
+        self.timing = (replay_s, python_s)
+        if self.after is not None and self.after.timing:  # a backward decides for itself and its forward
+            replay_s, python_s = replay_s + self.after.timing[0], python_s + self.after.timing[1]
+            timing += f"; with its forward {replay_s * 1e3:.2f} ms vs {python_s * 1e3:.2f} ms"
         if replay_s <= KEEP_BELOW * python_s:
             self._keep(f"CUDA graph ({timing})")
             log.info("%s: %s", self.name, self.decision)
@@ -259,7 +274,7 @@ class Replayer:
             # freed rather than held next to the graph's (and its backward can measure at this layer).
             return self._run(graphed, inputs)
         else:
-            self._drop(f"runs from Python ({timing}: bound by the GPU, a graph would only cost memory)")
+            self._drop(f"runs from Python ({timing}: bound by the GPU, a graph would gain too little)")
             if self.after is not None and self.after.kept:
                 # A forward graph alone would keep every layer's saved tensors in the graphs' pool
                 # after the backward read them, where the backward's own allocations cannot reuse them.
@@ -360,6 +375,29 @@ class Replayer:
         forward: Graphed = key
         saved = [forward.passthrough[forward.lend_from + j] for j in range(self.fixed_inputs)]
         return [j < self.fixed_inputs and (saved[j] is None or forward.in_place[saved[j]]) for j in range(n)]
+
+
+def routes(inputs: list, outputs: list, in_place, lend_from: int) -> dict[int, int]:
+    """Which outputs a graph writes into which of its copied inputs' buffers, ``{output: input}``.
+
+    An output that is not lent is copied out after every replay; a graph that kept it in memory of
+    its own would hold it for good (every layer's graph its own: a Llama-3.2-1B layer's hidden states,
+    32 MiB, forward and backward, 16 layers). Written into the buffer that a copied input of the same
+    shape and dtype was copied into (its last reader comes before), the output takes no memory of its
+    own. Not into an input that another output views (a lent tensor, say), nor an output that is an
+    input passed through. Works on real and fake tensors alike (the predicted peak uses it)."""
+    taken: dict[int, int] = {}
+    tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+    free = [k for k, t in enumerate(inputs) if not in_place[k] and isinstance(t, torch.Tensor) and t.is_contiguous()
+            and not any(o is not t and torch._C._is_alias_of(o, t) for o in tensors)]
+    for j, out in enumerate(outputs[:lend_from]):
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous() or any(out is t for t in inputs):
+            continue
+        k = next((k for k in free if k not in taken.values() and inputs[k].shape == out.shape
+                  and inputs[k].dtype == out.dtype), None)
+        if k is not None:
+            taken[j] = k
+    return taken
 
 
 def check_lease(lease: Lease | None) -> None:

@@ -97,11 +97,12 @@ def compile_call(
 def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
     """What the CUDA graphs that replay (or may still decide to) keep allocated for good: the
     buffers their copied inputs go to (one set per graph stage), the outputs each layer's graph keeps
-    besides what its forward lends its backward (that is counted with the step's saved activations),
-    and the largest workspace among them (every graph captures into one shared pool; see
+    besides what its forward lends its backward (that is counted with the step's saved activations)
+    and those it writes into a copied input's buffer (``cuda_graphs.routes``), and the largest
+    workspace among them (every graph captures into one shared pool; see
     ``cuda_graphs``). ``runs``: each program with how many times a step runs it. An estimate from
     the memory plans."""
-    from .cuda_graphs import Replayer
+    from .cuda_graphs import Replayer, routes
 
     held = workspace = 0
     for program, repeats in runs:
@@ -110,9 +111,13 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
             if not (isinstance(fn, Replayer) and fn.may_graph):
                 continue
             graph = program.stages[stage]
-            outs = [value_bytes(o.meta.get("val")) if isinstance(o, fx.Node) else 0 for o in output_node(graph).args[0]]
-            kept = sum(outs[: fn.lend_from]) if fn.lend_from is not None else sum(outs)
-            copied = sum(value_bytes(p.meta.get("val")) for p in placeholders(graph)[fn.fixed_inputs:])
+            ins = [p.meta.get("val") for p in placeholders(graph)]
+            vals = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in output_node(graph).args[0]]
+            outs = [value_bytes(v) for v in vals]
+            not_lent = len(outs) if fn.lend_from is None else fn.lend_from
+            routed = routes(ins, vals, [i < fn.fixed_inputs for i in range(len(ins))], not_lent)  # in copied inputs' buffers
+            kept = sum(b for j, b in enumerate(outs[:not_lent]) if j not in routed)
+            copied = sum(value_bytes(v) for v in ins[fn.fixed_inputs:])
             held += copied + kept * (repeats if fn.fixed_inputs else 1)
             workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - sum(outs))
     return held + workspace
