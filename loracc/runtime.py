@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .capture import call_signature, module_state, tensor_key
-from .cuda_graphs import Replayer, check_lease
+from .cuda_graphs import Replayer, check_lease, share_decisions
 from .errors import Unsupported
 from .pipeline import Program, compile_call
 
@@ -125,9 +125,12 @@ class Region:
                  program.reports.get("lora_match", {}).get("matched", 0))
         if self.programs:
             self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
-        if sum(p is not None for p in self.programs.values()) >= AUTO_GRAPHED_SIGNATURES:
+        compiled = [p for p in self.programs.values() if p is not None]
+        if len(compiled) >= AUTO_GRAPHED_SIGNATURES:
             _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
                                           f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only")
+        elif compiled:
+            share_decisions(compiled[0], program)
         self.programs[key] = program
         self.captures += 1
         if len(self.programs) >= RECOMPILE_WARNING_AT and not self._warned_storm:

@@ -296,6 +296,9 @@ def test_auto_graphs_a_regions_first_call_signatures_only():
     (block,) = [r for r in model._loracc.regions if r.kind == "block"]
     programs = [p for p in block.programs.values() if p is not None]
     assert len(programs) > AUTO_GRAPHED_SIGNATURES
+    # the graphed signatures decide together (share_decisions)
+    assert programs[0].forward.sibling is programs[1].forward and programs[1].backward.sibling is programs[0].backward
+    assert programs[2].forward.sibling is None
     for i, program in enumerate(programs):
         for fn in (program.forward, program.backward):
             if i < AUTO_GRAPHED_SIGNATURES:
@@ -550,3 +553,45 @@ def test_layer_graphs_write_their_outputs_into_one_shared_buffer():
     assert len(forward.layer_graphs) == len(weights)
     graphed = next(iter(forward.layer_graphs.values()))
     assert graphed.routes == {0: 1} and graphed.static_outputs[0].data_ptr() == forward.static[1].data_ptr()
+
+
+def test_a_regions_two_programs_decide_together_and_capture_in_step_order(fake_capture):
+    """A block's first layer (its own program, called once a step) takes the decision the other
+    layers' program made: its graphs are captured in the next step, in layer order, and no later
+    step captures again. Without it, it measures a step later and every layer captures again."""
+    from loracc.cuda_graphs import SharedPool, share_decisions
+
+    fake_capture.update(fwd=0.5, bwd=0.5, fwd0=0.5, bwd0=0.5)
+    pool = SharedPool()
+
+    def program(tag):
+        forward = Replayer(_two_outputs("fwd" + tag), "forward graph" + tag, mode="auto", pool=pool,
+                           fixed_inputs=1, lend_from=1)
+        backward = Replayer(_two_outputs("bwd" + tag), "backward graph" + tag, mode="auto", pool=pool,
+                            after=forward, fixed_inputs=1)
+        return type("Program", (), {"forward": forward, "backward": backward})
+
+    first, rest = program("0"), program("")
+    share_decisions(first, rest)
+    weights, x = [torch.randn(3) for _ in range(6)], torch.randn(3)
+
+    def step():
+        leases = []
+        for i, w in enumerate(weights):
+            p = first if i == 0 else rest
+            assert torch.equal(p.forward(w, x)[1], x * 2)
+            leases.append(p.forward.take_lease())
+        for i in reversed(range(len(weights))):
+            p = first if i == 0 else rest
+            assert torch.equal(p.backward(weights[i], x, lease=leases[i])[0], x + 1)
+            if leases[i] is not None:
+                leases[i].release()
+
+    captures = []
+    for _ in range(4):
+        step()
+        captures.append(pool.captures)
+    assert captures[1] == captures[2] == captures[3]  # settled after the second step
+    assert rest.forward.kept and rest.backward.kept and first.forward.kept and first.backward.kept
+    assert first.forward.decision == "CUDA graph, as forward graph" and not first.forward.python_s
+    assert first.backward.decision == "CUDA graph, as backward graph"
