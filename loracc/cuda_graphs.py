@@ -244,7 +244,7 @@ class Replayer:
         outputs = None
         like = self._decided_sibling()
         if like is not None and not like.kept:
-            self.decision = f"runs from Python, as {like.name} does"
+            self.decision = f"runs from Python, as decided for the region's other call signature ({like.decision})"
             return self.fn(*inputs)
         if self.mode == "auto" and like is None:
             seconds, outputs = _timed(lambda: self.fn(*inputs))
@@ -263,7 +263,8 @@ class Replayer:
             torch.cuda.synchronize()
             return self.fn(*inputs) if outputs is None else outputs
         if self.mode == "on" or like is not None:
-            self._keep("CUDA graph (cuda_graphs=True)" if like is None else f"CUDA graph, as {like.name}")
+            self._keep("CUDA graph (cuda_graphs=True)" if like is None else
+                       f"CUDA graph, as decided for the region's other call signature ({like.decision})")
             log.info("captured %s as a CUDA graph", self.name)
             return self._run(graphed, inputs)
         replay_s = min(_timed(lambda: graphed(*inputs))[0] for _ in range(3))
