@@ -449,9 +449,13 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     sync()
     times_ms = [b.elapsed_time(e) if cuda else (e - b) * 1e3 for b, e in marks]
     late_peak = torch.cuda.max_memory_allocated() if cuda else None
+    # Reserved: what the caching allocator held at most (allocated plus its cached blocks). A CUDA
+    # graph's temporaries are free blocks of its pool between replays, so allocated bytes count them
+    # only while the graph is captured; reserved bytes always do.
     result = dict(first_step_s=first_step_s, losses=[float(x) for x in losses],
                   peak_memory_bytes=max(late_peak, early_peak or 0) if cuda else None,
-                  steady_peak_memory_bytes=late_peak if cuda and early_peak is not None else None)
+                  steady_peak_memory_bytes=late_peak if cuda and early_peak is not None else None,
+                  peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
     if times_ms:
         step_ms = statistics.median(times_ms)
         result.update(step_ms=step_ms, step_ms_all=times_ms, tokens_per_s=args.batch * args.seq / step_ms * 1e3)

@@ -4,7 +4,8 @@ For each workload (the Qwen2-0.5B- and Llama-3.2-1B-shaped steps of ANCHORS.md) 
 one process builds the model, compiles it with ``loracc.compile(model, memory_budget=budget)``,
 trains ``--warmup + --steps`` steps (setup, model, batch, optimizer and timing are ``bench.py``'s)
 and records the measured peak (``torch.cuda.max_memory_allocated``: over the whole run, and in the
-steady state, the second half of the timed steps, after every capture and autotuning), the peak loracc predicted
+steady state, the second half of the timed steps, after every capture and autotuning; and the most
+the caching allocator reserved, which also counts CUDA graphs' temporaries), the peak loracc predicted
 before the first step, the bytes each region saves, and the median step time.
 
     python benchmarks/memory_budget.py                         # both workloads, the default budgets
@@ -87,16 +88,17 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| workload | budget | status | peak GB | steady-state peak GB | predicted GB | tokens/s | block saves MB/layer | GEMMs recomputed/layer |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | budget | status | peak GB | steady-state peak GB | predicted GB | reserved GB | tokens/s | block saves MB/layer | GEMMs recomputed/layer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         block = next((g for g in r.get("regions", []) if g["kind"] == "block"), None)
         if r["status"] != "ok" or block is None:
-            lines.append(f"| {r['workload']} | {r['budget']} | {r['status']} | | | | | | {r.get('error', '')[:100]} |")
+            lines.append(f"| {r['workload']} | {r['budget']} | {r['status']} | | | | | | | {r.get('error', '')[:100]} |")
             continue
-        peak, steady = (f"{r[k] / 1e9:.2f}" if r.get(k) else "-" for k in ("peak_memory_bytes", "steady_peak_memory_bytes"))
+        peak, steady, reserved = (f"{r[k] / 1e9:.2f}" if r.get(k) else "-"
+                                  for k in ("peak_memory_bytes", "steady_peak_memory_bytes", "peak_reserved_bytes"))
         lines.append(
-            f"| {r['workload']} | {r['budget']} | ok | {peak} | {steady} | {r['predicted_peak_bytes'] / 1e9:.2f} | "
+            f"| {r['workload']} | {r['budget']} | ok | {peak} | {steady} | {r['predicted_peak_bytes'] / 1e9:.2f} | {reserved} | "
             f"{r.get('tokens_per_s', 0):,.0f} | {block['saved_bytes'] / 1e6:.1f} | {block['recomputed_gemms']} |"
         )
     return "\n".join(lines)
