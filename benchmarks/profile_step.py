@@ -102,19 +102,21 @@ def cold(workload: str, batch: int, seq: int, out: str | None, cache: str | None
     times = {}
     start = time.perf_counter()
     profiler.enable()
-    loracc.compile(peft_model)
-    times["compile"] = time.perf_counter() - start
-    for i in range(2):
-        loss = model(input_ids=ids, labels=ids).loss
-        torch.cuda.synchronize()
-        times[f"step {i} forward"] = time.perf_counter() - start
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times[f"step {i} done"] = time.perf_counter() - start
-    profiler.disable()
-    JITFunction._do_compile = original
+    try:
+        loracc.compile(peft_model)
+        times["compile"] = time.perf_counter() - start
+        for i in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            torch.cuda.synchronize()
+            times[f"step {i} forward"] = time.perf_counter() - start
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times[f"step {i} done"] = time.perf_counter() - start
+    finally:
+        profiler.disable()
+        JITFunction._do_compile = original
     text = io.StringIO()
     at_launch = sorted(name for name, when in compiles if when == "launch")
     text.write(f"kernels compiled ahead: {sum(when == 'ahead' for _, when in compiles)}; "
