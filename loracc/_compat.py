@@ -10,6 +10,7 @@ import contextlib
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 tree_flatten = pytree.tree_flatten
@@ -19,12 +20,20 @@ tree_unflatten = pytree.tree_unflatten
 def trace(fn, example_inputs, decompositions: dict | None = None):
     """ATen-level fx graph of ``fn(*example_inputs)``, traced on fake tensors (nothing computed).
 
-    Node metadata set while tracing (``set_current_source``) is kept on the nodes.
-    ``decompositions``: ATen op → a function of the op's arguments traced in its place.
+    Node metadata set while tracing (``set_current_source``) is kept on the nodes. The module is a
+    ``lazy_graph_module``. ``decompositions``: ATen op → a function of the op's arguments traced in
+    its place.
     """
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
-    with _without_saved_tensors_hooks(), _preserve_meta():
+    with _without_saved_tensors_hooks(), _preserve_meta(), _use_lazy_graph_module(True):
         return traced(*example_inputs)
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """A ``GraphModule`` of ``graph`` that generates its Python code only when it is first called or
+    its code is read; its ``recompile()`` marks the code out of date instead of generating it. For
+    the graphs the passes rewrite and the stages kept for ``loracc dump``, most of which never run."""
+    return _LazyGraphModule(root, graph, class_name)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from . import _compat
+
 ROLES = ("input", "frozen_weight", "lora_A", "lora_B", "trainable", "buffer", "tangent", "activation", "gradient")
 INPUT_ROLES = ("input", "frozen_weight", "lora_A", "lora_B", "trainable", "buffer", "tangent")
 
@@ -77,12 +79,18 @@ def output_values(gm: fx.GraphModule) -> list:
     return list(args) if isinstance(args, (list, tuple)) else [args]
 
 
+def copy_nodes(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes and loracc annotations can be rewritten without touching
+    ``graph``'s (fake values and other metadata are shared)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    for old, new in zip(graph.nodes, copy.nodes):
+        new.meta = {**old.meta, "loracc": dict(old.meta.get("loracc", {}))}
+    return copy
+
+
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose nodes and loracc annotations a pass can rewrite without touching
-    ``gm`` (the stages kept for ``loracc dump`` stay as they were)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    for old, new in zip(gm.graph.nodes, graph.nodes):
-        new.meta = {**old.meta, "loracc": dict(old.meta.get("loracc", {}))}
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    ``gm`` (the stages kept for ``loracc dump`` stay as they were). Its Python code is generated
+    when it is first called or read (``_compat.lazy_graph_module``)."""
+    return _compat.lazy_graph_module(gm, copy_nodes(gm.graph), class_name=type(gm).__name__)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import LoraccError
-from ..graph import copy_graph, info
+from ..graph import copy_nodes, info
 from ..cross_entropy import LINEAR_CROSS_ENTROPY
 from ..cuda_graphs import Replayer, SharedPool
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
@@ -63,9 +63,9 @@ class TritonBackend:
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
         ``fixed_inputs``, ``lend_from``: see ``cuda_graphs.Replayer``."""
-        gm = copy_graph(gm)  # the stage the pipeline keeps for loracc dump stays as it was
+        graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
-        for node in gm.graph.nodes:
+        for node in graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
                 try:
                     kernel = fused_rows.kernel_for(node.target)
@@ -105,7 +105,7 @@ class TritonBackend:
             else:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
-        gm.recompile()
+        gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)  # its Python code, generated once
         if self.device.type == "cuda":
             precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to

@@ -31,6 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..graph import info, output_node
 from . import PassResult
 
@@ -250,7 +251,7 @@ def _replace(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, index: in
         env[m] = sub.node_copy(m, lambda n: env[n])
         env[m].meta["val"] = m.meta.get("val")
     sub.output(tuple(env[o] for o in outputs))
-    sub_gm = fx.GraphModule(torch.nn.Module(), sub)
+    sub_gm = _compat.lazy_graph_module(torch.nn.Module(), sub)  # code generated if the reference runs
 
     ops = [_op_name(m) for m in members if _computes(m)]
     group = FusedRows(sub_gm, tuple(_val(members[-1]).shape[:-1]), ops, f"fused_rows_{index}")

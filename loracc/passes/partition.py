@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..errors import Unsupported
 from ..graph import info, output_node, placeholders
 from . import PassResult
@@ -110,8 +111,8 @@ def split(joint: fx.GraphModule, n_outputs: int, saved) -> Partitioned:
         benv[n] = _copy(bwd_graph, n, benv)
     bwd_graph.output([benv[g] if isinstance(g, fx.Node) else g for g in grads])
 
-    fwd_gm = fx.GraphModule(joint, fwd_graph, class_name="Forward")
-    bwd_gm = fx.GraphModule(joint, bwd_graph, class_name="Backward")
+    fwd_gm = _compat.lazy_graph_module(joint, fwd_graph, class_name="Forward")
+    bwd_gm = _compat.lazy_graph_module(joint, bwd_graph, class_name="Backward")
     for gm in (fwd_gm, bwd_gm):
         gm.graph.lint()
     recomputed = [n.name for n in backward if info(n).get("phase") == "forward"]
