@@ -45,20 +45,21 @@ def compile_call(
     stages, reports = {}, {}
     captured = capture_forward(module, path, signature)
     gm = captured.gm
-    stages["captured"] = copy_graph(gm)
+    stages["captured"] = gm
+    # A pass rewrites the graph it is given: each runs on a copy, so that every stage stays as it was.
     for pass_ in FORWARD_PASSES:
-        result = pass_(gm)
+        result = pass_(copy_graph(gm))
         gm = result.gm
-        stages[pass_.__name__] = copy_graph(gm)
+        stages[pass_.__name__] = gm
         reports[pass_.__name__] = result.report
 
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
     n_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
-    joint = derive_joint(gm, needs_grad)
-    stages["joint"] = copy_graph(joint)
+    stages["joint"] = derive_joint(gm, needs_grad)
+    joint = copy_graph(stages["joint"])  # remat marks its cut on the copy; partition reads it
     reports["remat"] = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes).report
-    stages["remat"] = copy_graph(joint)
+    stages["remat"] = joint
     result = partition(joint, n_outputs)
     reports["partition"] = result.report
     parts = result.gm
