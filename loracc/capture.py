@@ -105,8 +105,9 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
         if patched_forward is not None:
             module.forward = patched_forward
 
+    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     for node, name, tensor in zip(placeholders(gm), names, state):
-        role = param_role(name, tensor) if name in dict(module.named_parameters(remove_duplicate=False)) else "buffer"
+        role = param_role(name, tensor) if name in parameters else "buffer"
         _compat.rename_node(node, name.replace(".", "_"))
         info(node).update(role=role, phase="forward", name=name)
     for i, node in enumerate(placeholders(gm)[len(state):]):
