@@ -10,6 +10,7 @@ op, and the reason is kept in ``report`` (so nothing is silently approximated).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.fx as fx
@@ -41,6 +42,22 @@ def available(device: torch.device) -> str | None:
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on the CPU), not {device.type}"
 
 
+def _hash_triton_in_background() -> threading.Thread:
+    """Start Triton's hash of its own compiler and libraries (``triton_key``, part of every kernel's
+    cache key; computed once per process, about 0.3 s on an H100 host) on a thread: it then runs while
+    the first region traces instead of before its first kernel loads (hashing releases the GIL)."""
+    def run():
+        try:
+            from triton.runtime.cache import triton_key
+            triton_key()  # functools.lru_cache: every later call returns this result
+        except Exception:  # noqa: BLE001 - another Triton: its first kernel computes the key itself
+            pass
+
+    thread = threading.Thread(target=run, name="loracc-triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
 class TritonBackend:
     name = "triton"
 
@@ -57,6 +74,7 @@ class TritonBackend:
         self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
         self.device = device
         self._pool = SharedPool()  # one memory pool for every graph of the model
+        self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
                 lend_from: int | None = None):
@@ -107,6 +125,8 @@ class TritonBackend:
             self.report.append(entry)
         gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)  # its Python code, generated once
         if self.device.type == "cuda":
+            if self._hashing is not None:
+                self._hashing.join()
             precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
         # save, and its trial capture would come at the step's memory peak, weights copied.
