@@ -149,6 +149,7 @@ class Graphed:
             outputs = list(fn(*self.static_inputs))  # warm-up, as capture requires (fn never writes its inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.lend_from = len(outputs) if lend_from is None else lend_from  # None: lends nothing
+        check_lent(self.static_inputs, outputs, self.in_place, self.lend_from)
         self.routes = routes(self.static_inputs, outputs, self.in_place, self.lend_from)
         del outputs
         with torch.cuda.graph(self.graph, pool=pool):
@@ -390,6 +391,16 @@ class Replayer:
         forward: Graphed = key
         saved = [forward.passthrough[forward.lend_from + j] for j in range(self.fixed_inputs)]
         return [j < self.fixed_inputs and (saved[j] is None or forward.in_place[saved[j]]) for j in range(n)]
+
+
+def check_lent(inputs: list, outputs: list, in_place, lend_from: int) -> None:
+    """Raise (the capture fails, the call runs from Python) if an output to be lent views a copied
+    input's buffer: the next call's copy would overwrite it before its backward reads it."""
+    for j, out in enumerate(outputs[lend_from:], start=lend_from):
+        for k, t in enumerate(inputs):
+            if (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and not in_place[k]
+                    and out is not t and torch._C._is_alias_of(out, t)):
+                raise RuntimeError(f"output {j}, lent to the backward, views input {k}, which every call overwrites")
 
 
 def routes(inputs: list, outputs: list, in_place, lend_from: int) -> dict[int, int]:

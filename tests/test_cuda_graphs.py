@@ -497,6 +497,16 @@ def test_outputs_not_lent_go_into_a_copied_inputs_buffer():
     assert routes(inputs, [hidden, grad], in_place, 0) == {}  # everything lent
 
 
+def test_a_lent_output_that_views_a_copied_input_fails_the_capture():
+    from loracc.cuda_graphs import check_lent
+
+    w, x = torch.randn(4), torch.randn(2, 4)
+    check_lent([w, x], [x + 1, w[:2], x], [True, False], 1)  # a view of a weight read in place; x itself
+    with pytest.raises(RuntimeError, match="output 1, lent to the backward, views input 1"):
+        check_lent([w, x], [x + 1, x.view(8)], [True, False], 1)
+    check_lent([w, x], [x.view(8), x + 1], [True, False], 1)  # not lent: copied out after every replay
+
+
 def test_a_layers_hidden_states_and_input_gradient_need_no_memory_of_their_own():
     """The graphs of a decoder layer: its forward's output (the hidden states) and its backward's
     gradient of the layer input go into copied inputs' buffers, so the predicted graph memory has no
