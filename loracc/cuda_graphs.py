@@ -398,8 +398,7 @@ def check_lent(inputs: list, outputs: list, in_place, lend_from: int) -> None:
     input's buffer: the next call's copy would overwrite it before its backward reads it."""
     for j, out in enumerate(outputs[lend_from:], start=lend_from):
         for k, t in enumerate(inputs):
-            if (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and not in_place[k]
-                    and out is not t and torch._C._is_alias_of(out, t)):
+            if not in_place[k] and _views(out, t):
                 raise RuntimeError(f"output {j}, lent to the backward, views input {k}, which every call overwrites")
 
 
@@ -413,9 +412,8 @@ def routes(inputs: list, outputs: list, in_place, lend_from: int) -> dict[int, i
     own. Not into an input that another output views (a lent tensor, say), nor an output that is an
     input passed through. Works on real and fake tensors alike (the predicted peak uses it)."""
     taken: dict[int, int] = {}
-    tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
     free = [k for k, t in enumerate(inputs) if not in_place[k] and isinstance(t, torch.Tensor) and t.is_contiguous()
-            and not any(o is not t and torch._C._is_alias_of(o, t) for o in tensors)]
+            and not any(_views(o, t) for o in outputs)]
     for j, out in enumerate(outputs[:lend_from]):
         if not isinstance(out, torch.Tensor) or not out.is_contiguous() or any(out is t for t in inputs):
             continue
@@ -424,6 +422,12 @@ def routes(inputs: list, outputs: list, in_place, lend_from: int) -> dict[int, i
         if k is not None:
             taken[j] = k
     return taken
+
+
+def _views(out, t) -> bool:
+    """Whether ``out`` shares memory with the tensor ``t`` without being ``t`` itself."""
+    return (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and out is not t
+            and torch._C._is_alias_of(out, t))
 
 
 def share_decisions(first, second) -> None:
