@@ -436,7 +436,7 @@ def share_decisions(first, second) -> None:
     for both. Otherwise the program called once a step would measure a step later than the other
     and capture its graph after theirs: a forward graph captured after the others lends outputs that
     their replays could overwrite, so every layer's graphs would be captured again (on an H100,
-    Llama-3.2-1B: 31 captures in the third step and its whole-run peak +0.14 GiB over the steady
+    2026-11-23, Llama-3.2-1B: 31 captures in the third step and its whole-run peak +0.14 GiB over the steady
     state). ``first`` and ``second``: the two programs."""
     for stage in ("forward", "backward"):
         a, b = getattr(first, stage), getattr(second, stage)
