@@ -84,6 +84,7 @@ class SharedPool:
         self.replays = 0  # replay clock: Graphed.last_replay, Lease.at
         self.live: weakref.WeakSet[Graphed] = weakref.WeakSet()
         self.lent: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # see copy_buffers
 
     def warm_up_stream(self) -> torch.cuda.Stream:
         """One side stream for every warm-up before a capture: cuBLAS keeps a workspace per stream it
@@ -92,6 +93,25 @@ class SharedPool:
         if self._side is None:
             self._side = torch.cuda.Stream()
         return self._side
+
+    def copy_buffers(self, inputs: list, in_place) -> list:
+        """``inputs`` with each one not read in place copied into its buffer. The buffers are shared by
+        every graph of the pool (a graph's copied inputs of one shape and dtype take distinct ones):
+        the graphs run one at a time, each call copies its inputs in before its graph reads them and
+        its outputs out (``routes``) before the next call, and nothing else holds a buffer (a lent
+        output never views one, ``check_lent``). A buffer lives while a graph captured over it does."""
+        taken: dict = {}
+        static = []
+        for t, keep in zip(inputs, in_place):
+            if not keep and isinstance(t, torch.Tensor):
+                kind = (tuple(t.shape), t.stride(), t.dtype, t.device)
+                n = taken[kind] = taken.get(kind, -1) + 1
+                buffer = self._buffers.get((kind, n))
+                if buffer is None:
+                    buffer = self._buffers[(kind, n)] = torch.empty_like(t)
+                t = buffer.copy_(t)
+            static.append(t)
+        return static
 
     def handle(self):
         for graphed in self.live:
@@ -204,7 +224,6 @@ class Replayer:
         self.kept = False
         self.layer_graphs: dict = {} if after is None else weakref.WeakKeyDictionary()  # by weights / by forward graph
         self.copy_graph: Graphed | None = None
-        self.static: dict[int, torch.Tensor] = {}  # the buffers copied inputs go to, shared by every graph
         self.lease: Lease | None = None  # a forward's latest lease, until the runtime takes it
         self.follower: Replayer | None = None  # a forward's backward, set by the backward
         self.sibling: Replayer | None = None  # mode "auto": the same stage of another program, see share_decisions
@@ -307,7 +326,6 @@ class Replayer:
         self.kept, self.decision = False, decision
         self.layer_graphs.clear()
         self.copy_graph = None
-        self.static.clear()
 
     # -- per call, once graphs are kept ---------------------------------------------------------
 
@@ -355,14 +373,7 @@ class Replayer:
         """Capture the graph for this call, whose ``_key`` is ``key`` (replacing the one it had), or
         None if capturing failed."""
         in_place = self._in_place(key, len(inputs))
-        static = []
-        for i, t in enumerate(inputs):
-            if not in_place[i]:
-                buffer = self.static.get(i)
-                if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-                    buffer = self.static[i] = torch.empty_like(t)
-                t = buffer.copy_(t)
-            static.append(t)
+        static = self.pool.copy_buffers(inputs, in_place)
         self.captures += 1
         try:
             graphed = Graphed(self.fn, static, self.pool.handle(), in_place=in_place,

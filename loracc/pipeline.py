@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -97,15 +98,16 @@ def compile_call(
 
 def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
     """What the CUDA graphs that replay (or may still decide to) keep allocated for good: the
-    buffers their copied inputs go to (one set per graph stage), the outputs each layer's graph keeps
-    besides what its forward lends its backward (that is counted with the step's saved activations)
-    and those it writes into a copied input's buffer (``cuda_graphs.routes``), and the largest
-    workspace among them (every graph captures into one shared pool; see
-    ``cuda_graphs``). ``runs``: each program with how many times a step runs it. An estimate from
-    the memory plans."""
+    buffers their copied inputs go to (shared by every graph, ``SharedPool.copy_buffers``), the
+    outputs each layer's graph keeps besides what its forward lends its backward (that is counted
+    with the step's saved activations) and those it writes into a copied input's buffer
+    (``cuda_graphs.routes``), and the largest workspace among them (every graph captures into one
+    shared pool; see ``cuda_graphs``). ``runs``: each program with how many times a step runs it.
+    An estimate from the memory plans."""
     from .cuda_graphs import Replayer, routes
 
     held = workspace = 0
+    buffers: dict = {}  # (shape, dtype) → (bytes, the most copied inputs of that kind in one graph)
     for program, repeats in runs:
         for stage in ("forward", "backward"):
             fn = getattr(program, stage)
@@ -118,10 +120,13 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
             not_lent = len(outs) if fn.lend_from is None else fn.lend_from
             routed = routes(ins, vals, [i < fn.fixed_inputs for i in range(len(ins))], not_lent)  # in copied inputs' buffers
             kept = sum(b for j, b in enumerate(outs[:not_lent]) if j not in routed)
-            copied = sum(value_bytes(v) for v in ins[fn.fixed_inputs:])
-            held += copied + kept * (repeats if fn.fixed_inputs else 1)
+            copied = [v for v in ins[fn.fixed_inputs:] if isinstance(v, torch.Tensor)]
+            kinds = [(tuple(v.shape), v.dtype) for v in copied]
+            for v, kind in zip(copied, kinds):
+                buffers[kind] = (value_bytes(v), max(buffers.get(kind, (0, 0))[1], kinds.count(kind)))
+            held += kept * (repeats if fn.fixed_inputs else 1)
             workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - sum(outs))
-    return held + workspace
+    return held + sum(size * count for size, count in buffers.values()) + workspace
 
 
 def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:

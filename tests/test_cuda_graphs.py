@@ -183,7 +183,7 @@ class _FakeGraphed:
     def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None, side=None):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
-        self.fn, self.pool, self.replays = fn, pool, 0
+        self.fn, self.pool, self.replays, self.inputs = fn, pool, 0, inputs
         self.seq = self.last_replay = 0
         self.in_place, self.lend_from = tuple(in_place), lend_from
         self.lends = lend_from is not None  # the functions given lend_from have outputs past it
@@ -562,7 +562,7 @@ def test_layer_graphs_write_their_outputs_into_one_shared_buffer():
             assert torch.cuda.memory_allocated() - before < 3 * x.nbytes
     assert len(forward.layer_graphs) == len(weights)
     graphed = next(iter(forward.layer_graphs.values()))
-    assert graphed.routes == {0: 1} and graphed.static_outputs[0].data_ptr() == forward.static[1].data_ptr()
+    assert graphed.routes == {0: 1} and graphed.static_outputs[0].data_ptr() == graphed.static_inputs[1].data_ptr()
 
 
 def test_a_regions_two_programs_decide_together_and_capture_in_step_order(fake_capture):
@@ -606,3 +606,19 @@ def test_a_regions_two_programs_decide_together_and_capture_in_step_order(fake_c
     other = "CUDA graph, as decided for the region's other call signature (CUDA graph (replay 500.00 ms"
     assert first.forward.decision.startswith(other) and not first.forward.python_s
     assert first.backward.decision.startswith(other)
+
+
+def test_every_graph_of_a_pool_copies_its_inputs_into_the_same_buffers(fake_capture):
+    """One buffer per copied input of a kind for the whole model: a forward's activation and the
+    backward's first copied input of that shape share one; the backward's second gets another."""
+    pool, forward, backward = _layered(fake_capture)
+    weights, x = [torch.randn(3) for _ in range(3)], torch.randn(3)
+    for _ in range(3):
+        _step(forward, backward, weights, x)
+    forwards = [g for g in _FakeGraphed.captured if g.fn.__name__ == "fwd"]
+    backwards = [g for g in _FakeGraphed.captured if g.fn.__name__ == "bwd"]
+    assert len(forwards) >= len(weights) and len(backwards) >= len(weights)
+    buffers = {id(t) for g in forwards + backwards for t, keep in zip(g.inputs, g.in_place) if not keep}
+    assert len(buffers) == 1  # each graph copies one input (x), all into one buffer
+    two = pool.copy_buffers([x, x.clone(), torch.randn(2)], [False, False, True])
+    assert two[0] is forwards[0].inputs[1] and two[1] is not two[0] and torch.equal(two[1], x)
