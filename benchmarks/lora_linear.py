@@ -74,8 +74,8 @@ def make_layer(tokens, in_f, out_f, rank, dtype, adapter_dtype, device="cuda"):
 
 def loracc_step(layer):
     x, w, a, b, gy = layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], layer["grad_y"]
-    y = lora_linear.lora_linear(x, w, None, a, b, SCALE, None)
-    grad_x, _, grad_a, grad_b, _ = lora_linear.lora_linear_backward(gy, x, w, a, b, SCALE, True, True, False, False)
+    y, su = lora_linear.lora_linear(x, w, None, a, b, SCALE, None)
+    grad_x, _, grad_a, grad_b, _ = lora_linear.lora_linear_backward(gy, x, su, w, a, b, SCALE, True, True, False, False)
     return y, grad_x, grad_a, grad_b
 
 
@@ -92,7 +92,7 @@ def check_candidates(layer) -> dict:
     expected = reference_step(layer)
     from loracc.codegen.lora_gemm import GPU_CONFIGS
 
-    names = [f"triton {c}" for c in GPU_CONFIGS] + ["cublas", "cublas lora-first", "cublas transposed"]
+    names = [f"triton {c}" for c in GPU_CONFIGS] + ["triton", "cublas", "cublas lora-first", "cublas transposed"]
     errors = {}
     for name in names:
         with forced(name):
@@ -137,8 +137,9 @@ def run_shape(tokens, in_f, out_f, rank, adapter_dtype) -> dict:
     b = layer["lora_b"].clone().requires_grad_(True)
     row["peft_ms"] = bench(lambda: peft_step(layer, x, a, b), grad_to_none=[x, a, b])
     row["loracc_ms"] = bench(lambda: loracc_step(layer))
+    su = lora_linear.lora_linear(layer["x"], layer["weight"], None, layer["lora_a"], layer["lora_b"], SCALE, None)[1]
     row["loracc_backward_ms"] = bench(lambda: lora_linear.lora_linear_backward(
-        layer["grad_y"], layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], SCALE, True, True, False, False))
+        layer["grad_y"], layer["x"], su, layer["weight"], layer["lora_a"], layer["lora_b"], SCALE, True, True, False, False))
     row["cpu_ms_per_loracc_step"] = cpu_time(lambda: loracc_step(layer))
     row["graphed_frozen_ms"], row["graphed_loracc_ms"] = graphed(lambda: frozen_step(layer)), graphed(lambda: loracc_step(layer))
     row["loracc_forward_ms"] = bench(lambda: lora_linear.lora_linear(layer["x"], layer["weight"], None, layer["lora_a"], layer["lora_b"], SCALE, None))

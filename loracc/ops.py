@@ -12,9 +12,12 @@ frozen ``weight`` and ``bias`` never get a gradient; when the LoRA weights have 
 ``x`` (PEFT keeps adapters in fp32 next to a bf16 base), the branch runs in the adapter dtype and
 the sum is cast back to the base dtype, as PEFT does.
 
-Its backward is the op ``loracc::lora_linear_backward``. It saves only the LoRA branch's input (the
-frozen base needs no ``x`` for its input gradient); the rank-r product ``u = lora_x @ lora_aᵀ`` is
-recomputed there (``T × r``: a few percent of the base GEMM's FLOPs) rather than saved.
+It returns ``(y, su)``: besides ``y``, the scaled rank-r product ``su = scale · (lora_x @ lora_aᵀ)``
+in the base dtype (``T × r``: a few hundred KiB), which the graph only hands to the backward.
+
+Its backward is the op ``loracc::lora_linear_backward``. It saves the LoRA branch's input and
+``su`` (the frozen base needs no ``x`` for its input gradient): ``dB = dYᵀ @ su`` then needs no
+second pass over the input to recompute the rank-r product.
 """
 from __future__ import annotations
 
@@ -37,22 +40,24 @@ def lora_linear(
     lora_b: Tensor,
     scale: float,
     lora_x: Tensor | None,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     base = F.linear(x, weight, bias)
     u = F.linear(_lora_branch_input(x, lora_x, lora_a), lora_a)
     lora = F.linear(u, lora_b) * scale
-    return (base + lora).to(base.dtype)
+    return (base + lora).to(base.dtype), (u * scale).to(x.dtype).reshape(-1, lora_a.shape[0])
 
 
 @lora_linear.register_fake
 def _(x, weight, bias, lora_a, lora_b, scale, lora_x):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((rows, lora_a.shape[0]))
 
 
 @torch.library.custom_op("loracc::lora_linear_backward", mutates_args=())
 def lora_linear_backward(
     grad_y: Tensor,
     lora_in: Tensor,
+    lora_u: Tensor,
     weight: Tensor,
     lora_a: Tensor,
     lora_b: Tensor,
@@ -65,16 +70,16 @@ def lora_linear_backward(
     """Gradients ``(dx, dlora_in, dlora_a, dlora_b, dbias)``; those not asked for are empty.
 
     ``lora_in`` is the LoRA branch's input (``x`` itself when ``lora_in_is_x``, else the dropped-out
-    ``lora_x``): dB = s·dYᵀ·u, dU = s·dY·B, dA = dUᵀ·lora_in, dX = dY·W (+ dU·A when the branch
-    reads ``x`` itself, so that ``x`` gets one gradient).
+    ``lora_x``), ``lora_u`` the forward's ``su = s·(lora_in @ Aᵀ)``: dB = dYᵀ·su, dU = s·dY·B,
+    dA = dUᵀ·lora_in, dX = dY·W (+ dU·A when the branch reads ``x`` itself, so that ``x`` gets one
+    gradient).
     """
     out_features, in_features = weight.shape
     lead = grad_y.shape[:-1]
     xin = lora_in.to(lora_a.dtype).reshape(-1, in_features)
     gy = grad_y.reshape(-1, out_features)
     gy_lora = gy.to(lora_a.dtype)
-    u = xin @ lora_a.t()
-    grad_b = (gy_lora.t() @ u) * scale
+    grad_b = gy_lora.t() @ lora_u.to(lora_a.dtype)
     grad_u = (gy_lora @ lora_b) * scale
     grad_a = grad_u.t() @ xin
     grad_x = grad_lora_in = None
@@ -95,7 +100,7 @@ def or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 @lora_linear_backward.register_fake
-def _(grad_y, lora_in, weight, lora_a, lora_b, scale, lora_in_is_x, need_grad_x, need_grad_lora_in, need_grad_bias):
+def _(grad_y, lora_in, lora_u, weight, lora_a, lora_b, scale, lora_in_is_x, need_grad_x, need_grad_lora_in, need_grad_bias):
     grad_x = grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1])) if need_grad_x else None
     grad_lora_in = lora_in.new_empty(lora_in.shape) if need_grad_lora_in and not lora_in_is_x else None
     grad_bias = grad_y.new_empty(weight.shape[0]) if need_grad_bias else None
@@ -106,12 +111,13 @@ def _(grad_y, lora_in, weight, lora_a, lora_b, scale, lora_in_is_x, need_grad_x,
 def _setup_context(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scale, lora_x = inputs
     ctx.lora_in_is_x = lora_x is None
-    ctx.save_for_backward(x if lora_x is None else lora_x, weight, lora_a, lora_b)
+    ctx.save_for_backward(x if lora_x is None else lora_x, output[1], weight, lora_a, lora_b)
     ctx.scale = scale
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_y):
-    lora_in, weight, lora_a, lora_b = ctx.saved_tensors
+def _backward(ctx, grad_y, grad_su):
+    lora_in, lora_u, weight, lora_a, lora_b = ctx.saved_tensors
     need_x, need_w, need_bias, need_a, need_b, _, need_lora_x = ctx.needs_input_grad
     if need_w:
         raise RuntimeError(
@@ -119,8 +125,15 @@ def _backward(ctx, grad_y):
             "over a frozen base: call weight.requires_grad_(False) on the base layer, or keep this "
             "layer out of loracc.compile"
         )
+    if grad_su is not None:
+        raise RuntimeError(
+            "loracc::lora_linear's second output (the rank-r product it saves for its backward) got a "
+            "gradient: only its first output, y, may be used by the model"
+        )
+    if grad_y is None:
+        return (None,) * 7
     grad_x, grad_lora_x, grad_a, grad_b, grad_bias = lora_linear_backward(
-        grad_y, lora_in, weight, lora_a, lora_b, ctx.scale, ctx.lora_in_is_x, need_x, need_lora_x, need_bias
+        grad_y, lora_in, lora_u, weight, lora_a, lora_b, ctx.scale, ctx.lora_in_is_x, need_x, need_lora_x, need_bias
     )
     return (
         grad_x if need_x else None,

@@ -52,12 +52,15 @@ def test_forward_kernel(dtype, config, has_bias, lora_in, rank):
     x, weight = randn(T, IN, dtype=dtype), randn(OUT, IN, dtype=dtype)
     bias = randn(OUT, dtype=dtype) if has_bias else None
     lora_a, lora_b, scale = randn(rank, IN), randn(OUT, rank), 0.7
-    u = (x.float() @ lora_a.t()).to(dtype) if lora_in == "loaded" else None
+    # "loaded": u computed before, read; "fused": computed in the main loop, s·u written out.
+    u = (x.float() @ lora_a.t()).to(dtype) if lora_in == "loaded" else nan(T, rank, dtype=dtype)
     y = nan(T, OUT, dtype=dtype)
     gemm = LoraGemm("forward", IN, OUT, rank, dtype, has_bias=has_bias, lora_in=lora_in)
     gemm.launch(config, a=x, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=u)
-    expected = reference_forward(x, weight, bias, lora_a.to(dtype), lora_b.to(dtype), scale, None)
+    expected, expected_su = reference_forward(x, weight, bias, lora_a.to(dtype), lora_b.to(dtype), scale, None)
     assert rel_err(y, expected) < TOL[dtype]
+    if lora_in == "fused":
+        assert rel_err(u, expected_su) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -112,14 +115,15 @@ def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bia
     layer = _layer(dtype, torch.float32, 4, has_bias, lead=(3, 13))
     lora_x = torch.nn.functional.dropout(layer["x"], 0.3) if dropout else None
     force_choice(candidate)
-    y = lora_linear.lora_linear(**layer, lora_x=lora_x)
+    got = lora_linear.lora_linear(**layer, lora_x=lora_x)
     expected = reference_forward(**layer, lora_x=lora_x)
-    assert y.shape == expected.shape and y.dtype == expected.dtype
-    assert rel_err(y, expected) < TOL[dtype]
+    for name, g, e in zip(("y", "su"), got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        assert rel_err(g, e) < TOL[dtype], name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidates", [(TRITON, "cublas"), ("cublas", "cublas transposed"), ("cublas lora-first",)], ids=str)
+@pytest.mark.parametrize("candidates", [(TRITON, "triton", "cublas"), ("cublas", "cublas transposed"), ("cublas lora-first",)], ids=str)
 @pytest.mark.parametrize(
     "lora_in_is_x,need_grad_x,need_grad_lora_in",
     [(True, True, False), (False, True, True), (True, False, False), (False, True, False), (False, False, True)],
@@ -130,7 +134,8 @@ def test_lora_linear_backward_op(force_choice, dtype, candidates, lora_in_is_x, 
     layer = _layer(dtype, dtype if adapters_in_base_dtype else torch.float32, 4, False, lead=(3, 13))
     lora_in = layer["x"] if lora_in_is_x else torch.nn.functional.dropout(layer["x"], 0.3)
     grad_y = randn(3, 13, OUT, dtype=dtype)
-    args = (grad_y, lora_in, layer["weight"], layer["lora_a"], layer["lora_b"], layer["scale"],
+    su = (layer["scale"] * lora_in.float() @ layer["lora_a"].float().t()).to(dtype).reshape(-1, 4)
+    args = (grad_y, lora_in, su, layer["weight"], layer["lora_a"], layer["lora_b"], layer["scale"],
             lora_in_is_x, need_grad_x, need_grad_lora_in, True)
     force_choice(*candidates, "cublas")
     got = lora_linear.lora_linear_backward(*args)
@@ -169,7 +174,7 @@ def test_16_bit_input_gradients_are_offered_the_template(monkeypatch):
     monkeypatch.setattr(autotune, "choose", choose)
     lora_linear.forget_plans()
     layer = _layer(torch.bfloat16, torch.float32, 4, False)
-    lora_linear.lora_linear_backward(randn(T, OUT, dtype=torch.bfloat16), layer["x"], layer["weight"], layer["lora_a"],
-                                     layer["lora_b"], 0.5, True, True, False, False)
+    lora_linear.lora_linear_backward(randn(T, OUT, dtype=torch.bfloat16), layer["x"], randn(T, 4, dtype=torch.bfloat16),
+                                     layer["weight"], layer["lora_a"], layer["lora_b"], 0.5, True, True, False, False)
     lora_linear.forget_plans()
     assert any(name.startswith("triton") for name in offered["lora_linear_backward"])

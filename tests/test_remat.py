@@ -14,6 +14,7 @@ from loracc.dump import node_line
 from loracc.errors import LoraccError
 from loracc.capture import _annotate_joint
 from loracc.graph import info, placeholders
+from loracc.ops import LORA_LINEAR
 from loracc.passes import remat
 from loracc.passes.memory_plan import activation_bytes, value_bytes
 from loracc.passes.partition import is_random, split
@@ -132,10 +133,13 @@ def test_saved_bytes_fall_monotonically_with_the_fraction(block):
         assert report["saved bytes"] <= previous
         assert report["saved bytes"] <= max(floor, fraction * fastest)
         previous = report["saved bytes"]
-    # Budget 0 saves only what cannot be recomputed: the block's inputs and the dropout masks.
+    # Budget 0 saves only what cannot be recomputed: the block's inputs, the dropout masks and the
+    # LoRA layers' rank-r products (only their GEMMs compute them).
     inputs = [p for p in placeholders(joint) if info(p)["role"] == "input" and p.users]
     masks = [n for n in joint.graph.nodes if n.target == torch.ops.aten.div_.Scalar]
-    assert previous == floor == activation_bytes(inputs + masks)
+    lora_u = [n for n in joint.graph.nodes if n.target is operator.getitem and n.args[0].target is LORA_LINEAR and n.args[1] == 1]
+    assert len(lora_u) == 7
+    assert previous == floor == activation_bytes(inputs + masks + lora_u)
 
 
 def test_saved_bytes_fall_monotonically_with_a_byte_limit(block):

@@ -2,7 +2,8 @@
 
 The forward and the input gradient of a LoRA linear are the same computation with other operands:
 
-    forward      y  = x  @ Wᵀ (+ bias) + s·(u  @ Bᵀ),  u  = x  @ Aᵀ   (or drop(x) @ Aᵀ, computed before)
+    forward      y  = x  @ Wᵀ (+ bias) + s·(u  @ Bᵀ),  u  = x  @ Aᵀ   (s·u written out: dB needs it;
+                                                                  or s·drop(x) @ Aᵀ, computed before)
     grad_input   dX = dY @ W           + dU @ A,       dU = s·(dY @ B)  (written out: dA needs it)
 
 so ``LoraGemm`` describes one instance (which use, which sizes and dtypes, what the epilogue does),
@@ -105,18 +106,19 @@ class LoraGemm:
         if self.use == "forward":
             bias = " + bias" if self.has_bias else ""
             computes = (
-                f"y = x @ Wᵀ{bias} + s·((x @ Aᵀ) @ Bᵀ), the rank-{r} product in the main loop"
+                f"y = x @ Wᵀ{bias} + s·((x @ Aᵀ) @ Bᵀ), the rank-{r} product in the main loop and written out"
                 if self.lora_in == "fused"
                 else f"y = x @ Wᵀ{bias} + s·(u @ Bᵀ), u = drop(x) @ Aᵀ computed before"
             )
             shapes = [f"x: [M, {i}] {dt}", f"W: [{o}, {i}] {dt} (frozen)"]
             shapes += [f"bias: [{o}] {dt}"] if self.has_bias else []
-            shapes += [f"A: [{r}, {i}], B: [{o}, {r}] (LoRA, multiplied in {dt} with fp32 accumulation)", f"y: [M, {o}] {dt}"]
+            shapes += [f"A: [{r}, {i}], B: [{o}, {r}] (LoRA, multiplied in {dt} with fp32 accumulation)", f"y: [M, {o}] {dt}",
+                       f"su = s·u: [M, {r}] {dt}" + (" (written)" if self.stores_u else " (read)")]
             return dict(
-                common, computes=computes, shapes=shapes, N=o, K=i, store_u=False,
+                common, computes=computes, shapes=shapes, N=o, K=i, store_u=self.stores_u,
                 W_STRIDE_K=1, W_STRIDE_N=i, P_STRIDE_K=1, P_STRIDE_R=i, Q_STRIDE_R=1, Q_STRIDE_N=r,
                 a_name="layer input x", w_name="frozen weight W, as Wᵀ", p_name="LoRA A, as Aᵀ",
-                q_name="LoRA B, as Bᵀ", u_name="", lora_out_name="",
+                q_name="LoRA B, as Bᵀ", u_name="scaled rank-r product s·x@Aᵀ, saved for the backward", lora_out_name="",
             )
         computes = (
             "dX = dY @ W + dU @ A, dU = s·(dY @ B) in the main loop and written out"
@@ -126,11 +128,16 @@ class LoraGemm:
         shapes = [f"dY: [M, {o}] {dt}", f"W: [{o}, {i}] {dt} (frozen)", f"A: [{r}, {i}], B: [{o}, {r}] (LoRA)",
                   f"dU: [M, {r}] fp32", f"dX: [M, {i}] {dt}"] + ([f"dX': [M, {i}]"] if self.lora_out == "separate" else [])
         return dict(
-            common, computes=computes, shapes=shapes, N=i, K=o, store_u=True,
+            common, computes=computes, shapes=shapes, N=i, K=o, store_u=self.stores_u,
             W_STRIDE_K=i, W_STRIDE_N=1, P_STRIDE_K=1, P_STRIDE_R=o, Q_STRIDE_R=i, Q_STRIDE_N=1,
             a_name="output gradient dY", w_name="frozen weight W", p_name="LoRA B, read from Bᵀ", q_name="LoRA A",
             u_name="rank-r gradient dU", lora_out_name="gradient of the dropped-out input",
         )
+
+    @property
+    def stores_u(self) -> bool:
+        """Whether the kernel writes the rank-r product it computes in its main loop (``s·u`` forward, ``dU`` backward)."""
+        return self.lora_in == "fused"
 
     @property
     def rows_aligned(self) -> bool:
@@ -183,7 +190,7 @@ class LoraGemm:
             args["p_ptr"] = p
         if self.has_bias:
             args["bias_ptr"] = bias
-        if self.lora_in == "loaded" or self.use == "grad_input":
+        if self.lora_in == "loaded" or self.stores_u:
             args["u_ptr"] = u
         if self.lora_out == "separate":
             args["lora_out_ptr"] = lora_out

@@ -3,15 +3,16 @@
 They take the ops' arguments and return what the ops' reference implementations return (see
 ``loracc/ops.py``); the Triton backend puts them in place of the ops in a compiled graph.
 
-Forward, ``y = x@Wᵀ (+ bias) + s·(u@Bᵀ)``: the ``lora_gemm`` template does it in one GEMM whose
-main loop also computes ``u = x@Aᵀ`` (no second pass over ``x``); with dropout, ``u = drop(x)@Aᵀ``
-is computed first and read by the epilogue. The cuBLAS candidates run the frozen GEMM and add the
-rank-r term into its output, before or after it.
+Forward, ``y = x@Wᵀ (+ bias) + s·(u@Bᵀ)``, returned with ``su = s·u`` for the backward: the
+``lora_gemm`` template does it in one GEMM whose main loop also computes ``u = x@Aᵀ`` (no second
+pass over ``x``) and writes ``su`` out; with dropout, ``su = s·drop(x)@Aᵀ`` is computed first and
+read by the epilogue. The cuBLAS candidates run the frozen GEMM and add the rank-r term into its
+output, before or after it.
 
 Backward, ``dX = dY@W + dU@A`` with ``dU = s·dY@B``: the template computes ``dU`` in its main loop
 (no extra pass over ``dY``) and writes it out; the cuBLAS candidates compute ``dU`` first. Then the
-adapter gradients ``dA = dUᵀ@lora_in`` and ``dB = s·dYᵀ@u`` with ``u = lora_in@Aᵀ`` recomputed
-(only ``lora_in`` is saved): rank-r GEMMs that materialize nothing of size ``T × out``.
+adapter gradients ``dA = dUᵀ@lora_in`` and ``dB = dYᵀ@su`` with the forward's ``su``: rank-r
+GEMMs that materialize nothing of size ``T × out``.
 
 Each step has candidates and the autotuner keeps the fastest at the shape (see ``autotune``). The
 choice for a call signature (shapes, dtypes, flags) is kept in ``_plans``, so a step costs one dict
@@ -28,6 +29,7 @@ import torch
 
 from ..ops import or_empty
 from . import autotune
+from .adapter_grads import AdapterGrads
 from .lora_gemm import DTYPE_NAMES, GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
 
 Tensor = torch.Tensor
@@ -118,24 +120,28 @@ def _template_impls(gemm: LoraGemm | None, run) -> dict[str, Callable]:
 
 def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles:
-    each template configuration the autotuner will try, as a ``precompile`` job."""
+    each template configuration the autotuner will try (and, backward, the adapter-gradient kernel),
+    as ``precompile`` jobs."""
+    rows = vals[0].numel() // vals[0].shape[-1]
     if op is lora_linear:
         x, weight, bias, lora_a, _, _, lora_x = vals
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
-    else:
-        grad_y, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
-        gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
-    if gemm is None:
-        return []
-    rows = vals[0].numel() // vals[0].shape[-1]
-    return [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
+        return [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
+    grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
+    gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
+    jobs = [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
+    grads = _adapter_grads_kernel(grad_y.dtype, weight, lora_a)
+    if grads is not None:
+        # dU comes from the template in fp32, from cuBLAS in the base dtype: the kernel is compiled for each.
+        jobs += [functools.partial(grads.warmup, rows, dt, device) for dt in {torch.float32, grad_y.dtype}]
+    return jobs
 
 
 # Forward --------------------------------------------------------------------------------------
 
 
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
-                scale: float, lora_x: Tensor | None) -> Tensor:
+                scale: float, lora_x: Tensor | None) -> tuple[Tensor, Tensor]:
     out_features, in_features = weight.shape
     x2 = _rows(x, in_features)
     lin2 = None if lora_x is None else _rows(lora_x, in_features)
@@ -147,7 +153,8 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
         impls = {**_template_impls(gemm, _forward_template), "cublas": _forward_cublas,
                  "cublas lora-first": _forward_cublas_lora_first}
         impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
-    return impl(*args).reshape(*x.shape[:-1], out_features)
+    y, su = impl(*args)
+    return y.reshape(*x.shape[:-1], out_features), su
 
 
 def _forward_gemm(dtype, weight, bias, lora_a, dropout: bool) -> LoraGemm:
@@ -157,31 +164,36 @@ def _forward_gemm(dtype, weight, bias, lora_a, dropout: bool) -> LoraGemm:
 
 
 def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
+    """``(y, su)``: the template writes both when it computes u itself; with dropout su comes first."""
     y = x2.new_empty(x2.shape[0], gemm.out_features)
-    u = None if lin2 is None else torch.mm(lin2, lora_a.to(lin2.dtype).t())
-    gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=u)
-    return y
+    if lin2 is None:
+        su = x2.new_empty(x2.shape[0], gemm.rank)
+        gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=su)
+    else:
+        su = _scaled_mm(lin2, lora_a.to(lin2.dtype).t(), scale)
+        gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=1.0, out=y, bias=bias, u=su)
+    return y, su
 
 
 def _forward_cublas(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The frozen GEMM, then the rank-r term added into its output."""
-    u = torch.mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t())
+    su = _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
     y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    return y.addmm_(u, lora_b.to(x2.dtype).t(), alpha=scale)
+    return y.addmm_(su, lora_b.to(x2.dtype).t()), su
 
 
 def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The rank-r term (+ bias) first, then the frozen GEMM accumulating into it."""
-    u = torch.mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t())
+    su = _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
     if bias is None:
-        return torch.mm(u, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t(), beta=scale)
-    return torch.addmm(bias, u, lora_b.to(x2.dtype).t(), alpha=scale).addmm_(x2, weight.t())
+        return torch.mm(su, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t()), su
+    return torch.addmm(bias, su, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t()), su
 
 
 # Backward -------------------------------------------------------------------------------------
 
 
-def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
+def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
                          scale: float, lora_in_is_x: bool, need_grad_x: bool, need_grad_lora_in: bool,
                          need_grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out_features, in_features = weight.shape
@@ -191,10 +203,12 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, weight: Tensor, lora_a
     a_c, b_c = lora_a.to(gy2.dtype), lora_b.to(gy2.dtype)
     flags = _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in)
     grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags)
-    args = (gy2, lin2, grad_u, a_c, scale, lora_a.dtype)
+    args = (gy2, lin2, lora_u, grad_u, lora_a.dtype)
     key = _key("lora_linear_grad_adapters", gy2, lin2, grad_u, lora_a)
+    grads = _adapter_grads_kernel(gy2.dtype, weight, lora_a)
+    impls = ADAPTER_GRADS if grads is None else {"triton": functools.partial(_adapter_grads_triton, grads), **ADAPTER_GRADS}
     impl = _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}",
-                 ADAPTER_GRADS, args, lora_a.dtype)
+                 impls, args, lora_a.dtype)
     grad_a, grad_b = impl(*args)
     lead = grad_y.shape[:-1]
     return (
@@ -285,19 +299,27 @@ def _mm_to(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.mm(a, b).to(dtype)
 
 
-def _adapter_grads(transposed, gy2, lin2, grad_u, a_c, scale, grad_dtype):
-    """``(dA, dB)`` = ``(dUᵀ@lora_in, s·dYᵀ@u)`` in ``grad_dtype`` (the adapters'), ``u = lora_in@Aᵀ``;
-    ``transposed`` computes their transposes.
+def _adapter_grads(transposed, gy2, lin2, su, grad_u, grad_dtype):
+    """``(dA, dB)`` = ``(dUᵀ@lora_in, dYᵀ@su)`` in ``grad_dtype`` (the adapters'), ``su`` the forward's
+    ``s·lora_in@Aᵀ``; ``transposed`` computes their transposes.
 
-    Both forms are the same three rank-r GEMMs (the scale goes into ``u``'s); cuBLAS picks other
-    kernels for the two layouts, and which is faster depends on the shape.
+    Both forms are the same two rank-r GEMMs; cuBLAS picks other kernels for the two layouts, and
+    which is faster depends on the shape.
     """
     grad_u = grad_u.to(lin2.dtype)
     if transposed:
-        u_t = _scaled_mm(a_c, lin2.t(), scale)
-        return _mm_to(lin2.t(), grad_u, grad_dtype).t().contiguous(), _mm_to(u_t, gy2, grad_dtype).t().contiguous()
-    u = _scaled_mm(lin2, a_c.t(), scale)
-    return _mm_to(grad_u.t(), lin2, grad_dtype), _mm_to(gy2.t(), u, grad_dtype)
+        return _mm_to(lin2.t(), grad_u, grad_dtype).t().contiguous(), _mm_to(su.t(), gy2, grad_dtype).t().contiguous()
+    return _mm_to(grad_u.t(), lin2, grad_dtype), _mm_to(gy2.t(), su, grad_dtype)
 
 
 ADAPTER_GRADS = {"cublas": functools.partial(_adapter_grads, False), "cublas transposed": functools.partial(_adapter_grads, True)}
+
+
+def _adapter_grads_kernel(dtype, weight, lora_a) -> AdapterGrads | None:
+    """The one-kernel candidate for the adapter gradients, or None where the rank is past the template's."""
+    out_features, in_features = weight.shape
+    return AdapterGrads(in_features, out_features, lora_a.shape[0], dtype) if lora_a.shape[0] <= MAX_RANK else None
+
+
+def _adapter_grads_triton(grads: AdapterGrads, gy2, lin2, su, grad_u, grad_dtype):
+    return grads(lin2, grad_u, gy2, su, grad_dtype, interpreting())

@@ -112,7 +112,7 @@ class TritonBackend:
                 reason = lora_linear.unsupported(x, weight, bias, lora_a, lora_b, lora_x)
                 replacement = lora_linear.lora_linear
             else:
-                grad_y, lora_in, weight, lora_a, lora_b = vals[:5]
+                grad_y, lora_in, _, weight, lora_a, lora_b = vals[:6]
                 reason = lora_linear.unsupported(grad_y, weight, None, lora_a, lora_b, lora_in)
                 replacement = lora_linear.lora_linear_backward
             entry = {"stage": stage, "node": node.name, "layer": info(node).get("lora_layer") or info(node).get("module")}

@@ -9,7 +9,7 @@ Guarantees: the same function. Each subgraph
 with ``W`` frozen, ``A``/``B`` LoRA weights, ``x'`` = ``x`` or anything computed from it (dropout:
 it stays in the graph, so a dropout mask is drawn once and reused by the backward; a plain cast of
 ``x`` to the adapters' dtype is folded into the op, which does it itself), and an
-optional cast of ``y`` back to the base dtype, becomes ``lora_linear(x, W, b, A, B, s, x' or None)``
+optional cast of ``y`` back to the base dtype, becomes ``lora_linear(x, W, b, A, B, s, x' or None)[0]``
 when its intermediates have no other users. Under autocast the traced graph casts every weight
 (and ``x``, once per linear) to the compute dtype before its ``linear``: ``W``, ``A``, ``B`` are
 then those casts (the op runs in the compute dtype, and autograd takes each gradient back through
@@ -18,6 +18,8 @@ pattern not recognised) are reported with the reason; their layers keep their AT
 gradients autograd derives, so they stay correct.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -158,9 +160,13 @@ def _cast_back(add: fx.Node, base: fx.Node):
 
 
 def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_x) -> str:
+    args = (x, weight, bias, lora_a, lora_b, scale, lora_x)
     with graph.inserting_before(end):
-        fused = graph.call_function(LORA_LINEAR, (x, weight, bias, lora_a, lora_b, scale, lora_x))
-    fused.meta["val"] = end.meta["val"]
+        fused = graph.call_function(LORA_LINEAR, args)
+        y = graph.call_function(operator.getitem, (fused, 0))
+    # (y, su) on the traced fake values; y is the layer's output, su only goes to the backward.
+    fused.meta["val"] = LORA_LINEAR(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+    y.meta["val"] = end.meta["val"]
     root = _uncast(weight)
     layer = info(root).get("name", root.name)
     for suffix in (".base_layer.weight", ".weight"):
@@ -171,7 +177,9 @@ def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_
     # joint graph reads back as the node's source module.
     module = info(end).get("module") or layer
     fused.meta["custom"] = {"module": module}
-    info(fused).update(role="activation", phase="forward", module=module, lora_layer=layer)
-    end.replace_all_uses_with(fused)
+    y.meta["custom"] = fused.meta["custom"]
+    for node in (fused, y):
+        info(node).update(role="activation", phase="forward", module=module, lora_layer=layer)
+    end.replace_all_uses_with(y)
     return layer
 

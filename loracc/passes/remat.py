@@ -8,7 +8,9 @@ hands to the backward has ``meta["loracc"]["saved"]``, each forward node the bac
 ``meta["loracc"]["recomputed"]`` (both: the value's bytes). ``partition`` splits along the marks; the
 backward can compute every gradient from the saved values and the tangents. Graph inputs, random ops
 (dropout masks, attention with dropout and its seeds) and in-place ops, with the values they write
-or that are read before they write, are never recomputed: a mask is drawn once and saved.
+or that are read before they write, are never recomputed: a mask is drawn once and saved. Nor is a
+LoRA layer's rank-r product ``su`` (the second output of ``loracc::lora_linear``, ``T × r``): only
+the layer's GEMM computes it, and no budget is worth recomputing a GEMM for so few bytes.
 
 How: a minimum s-t cut (networkx) of the joint graph. Every forward node is an edge ``in -> out``;
 cutting it means saving the value (cost: its bytes; parameters cost nothing, graph inputs that are
@@ -27,6 +29,7 @@ order, so that they are recomputed one at a time rather than all at one price.
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import time
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ import torch.fx as fx
 
 from ..errors import LoraccError, Unsupported
 from ..graph import info, output_node, placeholders, role
+from ..ops import LORA_LINEAR
 from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
@@ -326,8 +330,9 @@ def _is_expensive(node: fx.Node) -> bool:
 
 
 def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
-    """Inputs, random ops, in-place ops, every value an in-place op writes, and every read of such a
-    value made before its last write (recomputed later, it would read the written value)."""
+    """Inputs, random ops, in-place ops, every value an in-place op writes, every read of such a
+    value made before its last write (recomputed later, it would read the written value), and the
+    rank-r products of LoRA layers."""
     position = {n: i for i, n in enumerate(nodes)}
     last_write = {}
     for n in nodes:
@@ -335,11 +340,17 @@ def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
             last_write[storage_key(n)] = position[n]
     fixed = set()
     for n in nodes:
-        if n.op == "placeholder" or is_random(n) or is_mutation(n) or storage_key(n) in last_write:
+        if n.op == "placeholder" or is_random(n) or is_mutation(n) or storage_key(n) in last_write or _is_lora_u(n):
             fixed.add(n)
         elif any(position[n] < last_write.get(storage_key(a), -1) for a in n.all_input_nodes):
             fixed.add(n)
     return fixed
+
+
+def _is_lora_u(node: fx.Node) -> bool:
+    """Whether ``node`` is the rank-r product ``su`` a ``loracc::lora_linear`` returns beside ``y``."""
+    return (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+            and node.args[0].target is LORA_LINEAR and node.args[1] == 1)
 
 
 def _flops(node: fx.Node) -> int | None:
