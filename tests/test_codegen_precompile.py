@@ -200,7 +200,8 @@ def test_a_launch_after_compile_ahead_compiles_nothing(monkeypatch):
     gm(*inputs)
     t = functools.partial(torch.randn, device=DEVICE)
     gemm.launch(CONFIG, a=t(rows, i, dtype=torch.bfloat16), weight=t(o, i, dtype=torch.bfloat16), p=t(r, i),
-                q=t(o, r), scale=0.5, out=torch.empty(rows, o, device=DEVICE, dtype=torch.bfloat16), bias=t(o, dtype=torch.bfloat16))
+                q=t(o, r), scale=0.5, out=torch.empty(rows, o, device=DEVICE, dtype=torch.bfloat16), bias=t(o, dtype=torch.bfloat16),
+                u=torch.empty(rows, r, device=DEVICE, dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert compiled == []
 

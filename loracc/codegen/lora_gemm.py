@@ -164,6 +164,8 @@ class LoraGemm:
         epilogue; ``u`` is read (``lora_in="loaded"``) or written (``grad_input``); outputs are
         contiguous and written in full.
         """
+        if u is None and (self.lora_in == "loaded" or self.stores_u):
+            raise ValueError(f"{self.name}: u= is required (the rank-r product it {'reads' if self.lora_in == 'loaded' else 'writes'})")
         m = a.shape[0]
         # The main loop reads B (grad_input) from a contiguous Bᵀ, along K as it reads A forward: read
         # along the rank instead, Triton 3.6 computed a wrong dU in 16-bit on an H100 (test_grad_input_kernel).
