@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ triton = pytest.importorskip("triton")
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from loracc.codegen import autotune, lora_linear, precompile  # noqa: E402
-from loracc.codegen.adapter_grads import AdapterGrads  # noqa: E402
 from loracc.codegen.fused_rows import RowKernel  # noqa: E402
 from loracc.codegen.lora_gemm import LoraGemm  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
@@ -112,20 +110,6 @@ def test_the_lora_gemm_warms_up_as_it_launches(use, has_bias, flag, adapter_dtyp
     assert signature(launch) == signature(warmup)
 
 
-@pytest.mark.parametrize("grad_u_dtype", [torch.float32, torch.bfloat16])
-def test_the_adapter_grads_kernel_warms_up_as_it_launches(grad_u_dtype):
-    rows, i, o, r, dtype = 300, 48, 40, 4, torch.bfloat16
-    grads = AdapterGrads(i, o, r, dtype)
-    recorder = Recorder()
-    t = functools.partial(torch.randn, device=DEVICE)
-    with mock.patch("loracc.codegen.adapter_grads._kernel", lambda *args: recorder):
-        grads(t(rows, i, dtype=dtype), t(rows, r, dtype=grad_u_dtype), t(rows, o, dtype=dtype), t(rows, r, dtype=dtype),
-              torch.float32, DEVICE.type != "cuda")
-        grads.warmup(rows, grad_u_dtype, DEVICE)
-    launch, warmup = recorder.calls
-    assert signature(launch) == signature(warmup)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, dtype):
     """The jobs of ``lora_linear.warmups`` are the template configurations its ops offer the autotuner."""
@@ -150,12 +134,7 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
             offered.clear()
             op(*vals)
             jobs = lora_linear.warmups(op, vals, DEVICE)
-            gemm_jobs = [job for job in jobs if isinstance(job.func.__self__, LoraGemm)]
-            assert sorted(f"triton {job.args[0]}" for job in gemm_jobs) == offered[0], op.__name__
-            if op is lora_linear.lora_linear_backward:
-                # The adapter-gradient kernel, offered next, compiled for dU from the template (fp32) and from cuBLAS.
-                assert offered[1] == ["triton"]
-                assert {job.args[1] for job in jobs if isinstance(job.func.__self__, AdapterGrads)} == {torch.float32, dtype}
+            assert sorted(f"triton {job.args[0]}" for job in jobs) == offered[0], op.__name__
         assert len(lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)) > 0
     finally:
         lora_linear.forget_plans()

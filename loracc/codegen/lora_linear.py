@@ -29,7 +29,6 @@ import torch
 
 from ..ops import or_empty
 from . import autotune
-from .adapter_grads import AdapterGrads
 from .lora_gemm import DTYPE_NAMES, GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
 
 Tensor = torch.Tensor
@@ -120,21 +119,15 @@ def _template_impls(gemm: LoraGemm | None, run) -> dict[str, Callable]:
 
 def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles:
-    each template configuration the autotuner will try (and, backward, the adapter-gradient kernel),
-    as ``precompile`` jobs."""
-    rows = vals[0].numel() // vals[0].shape[-1]
+    each template configuration the autotuner will try, as a ``precompile`` job."""
     if op is lora_linear:
         x, weight, bias, lora_a, _, _, lora_x = vals
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
-        return [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
-    grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
-    gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
-    jobs = [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
-    grads = _adapter_grads_kernel(grad_y.dtype, weight, lora_a)
-    if grads is not None:
-        # dU comes from the template in fp32, from cuBLAS in the base dtype: the kernel is compiled for each.
-        jobs += [functools.partial(grads.warmup, rows, dt, device) for dt in {torch.float32, grad_y.dtype}]
-    return jobs
+    else:
+        grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
+        gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
+    rows = vals[0].numel() // vals[0].shape[-1]
+    return [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
 
 
 # Forward --------------------------------------------------------------------------------------
@@ -205,10 +198,8 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, weight
     grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags)
     args = (gy2, lin2, lora_u, grad_u, lora_a.dtype)
     key = _key("lora_linear_grad_adapters", gy2, lin2, grad_u, lora_a)
-    grads = _adapter_grads_kernel(gy2.dtype, weight, lora_a)
-    impls = ADAPTER_GRADS if grads is None else {"triton": functools.partial(_adapter_grads_triton, grads), **ADAPTER_GRADS}
     impl = _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}",
-                 impls, args, lora_a.dtype)
+                 ADAPTER_GRADS, args, lora_a.dtype)
     grad_a, grad_b = impl(*args)
     lead = grad_y.shape[:-1]
     return (
@@ -314,12 +305,3 @@ def _adapter_grads(transposed, gy2, lin2, su, grad_u, grad_dtype):
 
 ADAPTER_GRADS = {"cublas": functools.partial(_adapter_grads, False), "cublas transposed": functools.partial(_adapter_grads, True)}
 
-
-def _adapter_grads_kernel(dtype, weight, lora_a) -> AdapterGrads | None:
-    """The one-kernel candidate for the adapter gradients, or None where the rank is past the template's."""
-    out_features, in_features = weight.shape
-    return AdapterGrads(in_features, out_features, lora_a.shape[0], dtype) if lora_a.shape[0] <= MAX_RANK else None
-
-
-def _adapter_grads_triton(grads: AdapterGrads, gy2, lin2, su, grad_u, grad_dtype):
-    return grads(lin2, grad_u, gy2, su, grad_dtype, interpreting())
