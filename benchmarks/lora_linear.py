@@ -90,9 +90,11 @@ def reference_step(layer):
 def check_candidates(layer) -> dict:
     """Relative error of each candidate (forward and input-gradient GEMMs) against the fp32 reference."""
     expected = reference_step(layer)
+    from loracc.codegen import lora_gemm_tma
     from loracc.codegen.lora_gemm import GPU_CONFIGS
 
-    names = [f"triton {c}" for c in GPU_CONFIGS] + ["cublas", "cublas lora-first", "cublas transposed"]
+    names = ([f"triton {c}" for c in GPU_CONFIGS] + [f"tma {c}" for c in lora_gemm_tma.GPU_CONFIGS]
+             + ["cublas", "cublas lora-first", "cublas transposed"])
     errors = {}
     for name in names:
         with forced(name):

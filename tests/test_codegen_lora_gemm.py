@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import rel_err  # noqa: E402
-from loracc.codegen import autotune, lora_linear  # noqa: E402
+from loracc.codegen import autotune, lora_gemm_tma, lora_linear  # noqa: E402
 from loracc.codegen.lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, LoraGemm  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
 from loracc.ops import lora_linear as reference_forward  # noqa: E402
@@ -32,6 +32,7 @@ KERNEL_DTYPES = [torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 TRITON = f"triton {CONFIGS[0]}"
+TMA = f"tma {(lora_gemm_tma.GPU_CONFIGS if DEVICE.type == 'cuda' else lora_gemm_tma.INTERPRETER_CONFIGS)[0]}"
 T, IN, OUT = 37, 48, 40  # rows, in_features, out_features: no multiple of any tile
 
 
@@ -108,12 +109,14 @@ def _layer(dtype, adapter_dtype, rank, has_bias, lead=(T,)):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidate", [TRITON, "cublas", "cublas lora-first"])
+@pytest.mark.parametrize("candidate", [TRITON, TMA, "cublas", "cublas lora-first"])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bias):
-    layer = _layer(dtype, torch.float32, 4, has_bias, lead=(3, 13))
+    layer = _layer(dtype, torch.float32, 8, has_bias, lead=(3, 13))
     lora_x = torch.nn.functional.dropout(layer["x"], 0.3) if dropout else None
+    if candidate == TMA and lora_linear._tma_gemm(LoraGemm("forward", IN, OUT, 8, dtype), DEVICE) is None:
+        pytest.skip("no tensor-descriptor kernel for this case (it needs sm90+ and 16-bit operands on a GPU)")
     force_choice(candidate)
     got = lora_linear.lora_linear(**layer, lora_x=lora_x)
     expected = reference_forward(**layer, lora_x=lora_x)
@@ -123,7 +126,7 @@ def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bia
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidates", [(TRITON, "cublas"), ("cublas", "cublas transposed"), ("cublas lora-first",)], ids=str)
+@pytest.mark.parametrize("candidates", [(TRITON, "cublas"), (TMA, "cublas"), ("cublas", "cublas transposed"), ("cublas lora-first",)], ids=str)
 @pytest.mark.parametrize(
     "lora_in_is_x,need_grad_x,need_grad_lora_in",
     [(True, True, False), (False, True, True), (True, False, False), (False, True, False), (False, False, True)],
@@ -131,10 +134,10 @@ def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bia
 @pytest.mark.parametrize("adapters_in_base_dtype", [False, True])
 def test_lora_linear_backward_op(force_choice, dtype, candidates, lora_in_is_x, need_grad_x, need_grad_lora_in,
                                  adapters_in_base_dtype):
-    layer = _layer(dtype, dtype if adapters_in_base_dtype else torch.float32, 4, False, lead=(3, 13))
+    layer = _layer(dtype, dtype if adapters_in_base_dtype else torch.float32, 8, False, lead=(3, 13))
     lora_in = layer["x"] if lora_in_is_x else torch.nn.functional.dropout(layer["x"], 0.3)
     grad_y = randn(3, 13, OUT, dtype=dtype)
-    su = (layer["scale"] * lora_in.float() @ layer["lora_a"].float().t()).to(dtype).reshape(-1, 4)
+    su = (layer["scale"] * lora_in.float() @ layer["lora_a"].float().t()).to(dtype).reshape(-1, 8)
     args = (grad_y, lora_in, su, layer["weight"], layer["lora_a"], layer["lora_b"], layer["scale"],
             lora_in_is_x, need_grad_x, need_grad_lora_in, True)
     force_choice(*candidates, "cublas")

@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from loracc.codegen import autotune, lora_linear, precompile  # noqa: E402
 from loracc.codegen.fused_rows import RowKernel  # noqa: E402
 from loracc.codegen.lora_gemm import LoraGemm  # noqa: E402
+from loracc.codegen.lora_gemm_tma import TmaLoraGemm  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
 from loracc.passes.fusion import FusedRows, fusion  # noqa: E402
 from test_codegen_fused_rows import _case  # noqa: E402
@@ -110,6 +111,21 @@ def test_the_lora_gemm_warms_up_as_it_launches(use, has_bias, flag, adapter_dtyp
     assert signature(launch) == signature(warmup)
 
 
+@pytest.mark.parametrize("use, has_bias", [("forward", False), ("forward", True), ("grad_input", False)])
+def test_the_tma_lora_gemm_warms_up_as_it_launches(use, has_bias):
+    rows, i, o, r, dtype = 37, 48, 40, 8, torch.bfloat16
+    gemm = TmaLoraGemm(use, i, o, r, dtype, has_bias=has_bias)
+    recorder = Recorder()
+    object.__setattr__(gemm, "kernel", lambda device: recorder)
+    t = functools.partial(torch.randn, device=DEVICE, dtype=dtype)
+    a, n = (t(rows, i), o) if use == "forward" else (t(rows, o), i)
+    gemm.launch(CONFIG, a=a, weight=t(o, i), u=t(rows, r), q=t(o, r) if use == "forward" else t(r, i),
+                out=t(rows, n), bias=t(o) if has_bias else None)
+    gemm.warmup(CONFIG, rows, DEVICE)
+    launch, warmup = recorder.calls
+    assert signature(launch) == signature(warmup)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, dtype):
     """The jobs of ``lora_linear.warmups`` are the template configurations its ops offer the autotuner."""
@@ -118,8 +134,8 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
     offered = []
 
     def choose(description, candidates, device):
-        offered.append(sorted(name for name in candidates if name.startswith("triton")))
-        return next(name for name in candidates if not name.startswith("triton"))
+        offered.append(sorted(name for name in candidates if name.startswith(("triton", "tma"))))
+        return next(name for name in candidates if not name.startswith(("triton", "tma")))
 
     monkeypatch.setattr(autotune, "choose", choose)
     lora_linear.forget_plans()
@@ -134,7 +150,8 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
             offered.clear()
             op(*vals)
             jobs = lora_linear.warmups(op, vals, DEVICE)
-            assert sorted(f"triton {job.args[0]}" for job in jobs) == offered[0], op.__name__
+            kind = {LoraGemm: "triton", TmaLoraGemm: "tma"}
+            assert sorted(f"{kind[type(job.func.__self__)]} {job.args[0]}" for job in jobs) == offered[0], op.__name__
         assert len(lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)) > 0
     finally:
         lora_linear.forget_plans()

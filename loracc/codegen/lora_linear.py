@@ -14,6 +14,9 @@ Backward, ``dX = dY@W + dU@A`` with ``dU = s·dY@B``: the template computes ``dU
 adapter gradients ``dA = dUᵀ@lora_in`` and ``dB = dYᵀ@su`` with the forward's ``su``: rank-r
 GEMMs that materialize nothing of size ``T × out``.
 
+The ``lora_gemm_tma`` template (tensor descriptors, sm90+) is a candidate for both: ``su`` or ``dU``
+by cuBLAS first, the rank-r term in its epilogue.
+
 Each step has candidates and the autotuner keeps the fastest at the shape (see ``autotune``). The
 choice for a call signature (shapes, dtypes, flags) is kept in ``_plans``, so a step costs one dict
 lookup before its kernels launch. Products run in the base dtype (bf16/fp16/fp32) with fp32
@@ -29,7 +32,9 @@ import torch
 
 from ..ops import or_empty
 from . import autotune
+from . import lora_gemm_tma
 from .lora_gemm import DTYPE_NAMES, GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
+from .lora_gemm_tma import TmaLoraGemm
 
 Tensor = torch.Tensor
 
@@ -89,7 +94,8 @@ def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple,
     """The implementation to run for ``key``: the autotuner's pick among ``impls`` on ``args``."""
     impl = _plans.get(key)
     if impl is None:
-        description = {"op": key[0], "kernel": kernel_name, "adapter_dtype": str(adapter_dtype), "rows": _bucket(args[0].shape[0])}
+        description = {"op": key[0], "kernel": kernel_name, "adapter_dtype": str(adapter_dtype), "rows": _bucket(args[0].shape[0]),
+                       "candidates": sorted(impls)}
         thunks = {name: functools.partial(fn, *args) for name, fn in impls.items()}
         impl = _plans[key] = impls[autotune.choose(description, thunks, args[0].device)]
     return impl
@@ -117,9 +123,31 @@ def _template_impls(gemm: LoraGemm | None, run) -> dict[str, Callable]:
     return {f"triton {c}": functools.partial(run, gemm, c) for c in _template_configs(gemm)}
 
 
+def _tma_gemm(gemm: LoraGemm | None, device: torch.device) -> TmaLoraGemm | None:
+    """The tensor-descriptor twin of ``gemm`` where it can run: a GPU with TMA (sm90+) and 16-bit
+    operands, or the interpreter; rows of 16 bytes; the rank-r term added to the output."""
+    if gemm is None or gemm.rank > MAX_RANK or gemm.lora_out != "add":
+        return None
+    if not interpreting() and (device.type != "cuda" or gemm.dtype == torch.float32
+                               or torch.cuda.get_device_capability(device) < (9, 0)):
+        return None
+    tma = TmaLoraGemm(gemm.use, gemm.in_features, gemm.out_features, gemm.rank, gemm.dtype, gemm.has_bias)
+    return tma if tma.aligned else None
+
+
+def _tma_configs(tma: TmaLoraGemm | None) -> tuple:
+    if tma is None:
+        return ()
+    return lora_gemm_tma.INTERPRETER_CONFIGS if interpreting() else lora_gemm_tma.GPU_CONFIGS
+
+
+def _tma_impls(tma: TmaLoraGemm | None, run) -> dict[str, Callable]:
+    return {f"tma {c}": functools.partial(run, tma, c) for c in _tma_configs(tma)}
+
+
 def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles:
-    each template configuration the autotuner will try, as a ``precompile`` job."""
+    each configuration of either template that the autotuner will try, as a ``precompile`` job."""
     if op is lora_linear:
         x, weight, bias, lora_a, _, _, lora_x = vals
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
@@ -127,7 +155,9 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
         grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
         gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
     rows = vals[0].numel() // vals[0].shape[-1]
-    return [functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
+    tma = _tma_gemm(gemm, device)
+    return ([functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
+            + [functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)])
 
 
 # Forward --------------------------------------------------------------------------------------
@@ -143,8 +173,8 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     impl = _plans.get(key)
     if impl is None:
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
-        impls = {**_template_impls(gemm, _forward_template), "cublas": _forward_cublas,
-                 "cublas lora-first": _forward_cublas_lora_first}
+        impls = {**_template_impls(gemm, _forward_template), **_tma_impls(_tma_gemm(gemm, x.device), _forward_tma),
+                 "cublas": _forward_cublas, "cublas lora-first": _forward_cublas_lora_first}
         impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
     y, su = impl(*args)
     return y.reshape(*x.shape[:-1], out_features), su
@@ -165,6 +195,14 @@ def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scal
     else:
         su = _scaled_mm(lin2, lora_a.to(lin2.dtype).t(), scale)
         gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=1.0, out=y, bias=bias, u=su)
+    return y, su
+
+
+def _forward_tma(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
+    """``su`` by cuBLAS, then the descriptor-based GEMM adding ``su@Bᵀ`` in its epilogue."""
+    su = _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
+    y = x2.new_empty(x2.shape[0], tma.out_features)
+    tma.launch(config, a=x2, weight=weight.contiguous(), u=su, q=lora_b.to(x2.dtype).contiguous(), out=y, bias=bias)
     return y, su
 
 
@@ -234,7 +272,8 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
                  "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
         gemm = _grad_input_gemm(gy2.dtype, weight, lora_a, flags)
         if gemm is not None:
-            impls = {**_template_impls(gemm, _grad_input_template), **impls}
+            impls = {**_template_impls(gemm, _grad_input_template), **_tma_impls(_tma_gemm(gemm, gy2.device), _grad_input_tma),
+                     **impls}
             name = gemm.name
         else:
             name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}_{flags}"
@@ -260,6 +299,14 @@ def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, a_c, b_c, sc
     grad_lin = gy2.new_empty(rows, gemm.in_features) if gemm.lora_out == "separate" else None
     gemm.launch(config, a=gy2, weight=weight, p=lora_b, q=lora_a, scale=scale, out=grad_x, u=grad_u, lora_out=grad_lin)
     return grad_u, grad_x, grad_lin
+
+
+def _grad_input_tma(tma, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
+    """``dU`` by cuBLAS, then the descriptor-based GEMM adding ``dU@A`` in its epilogue."""
+    grad_u = _scaled_mm(gy2, b_c, scale)
+    grad_x = gy2.new_empty(gy2.shape[0], tma.in_features)
+    tma.launch(config, a=gy2, weight=weight.contiguous(), u=grad_u, q=a_c.contiguous(), out=grad_x)
+    return grad_u, grad_x, None
 
 
 def _scaled_mm(a: Tensor, b: Tensor, scale: float) -> Tensor:
