@@ -129,7 +129,7 @@ def test_autotune_times_once_then_remembers(monkeypatch):
     candidates = {"triton a": None, "triton b": None, "cublas": None}
     description = {"op": "lora_linear", "kernel": "k", "rows": 64}
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton b"
-    record = cache.load_choice({**description, **fake_env})
+    record = cache.load_choice({**description, **fake_env, "timed": autotune.TIMED})
     assert record["timings_ms"]["cublas"] == "failed: no"
 
     def must_not_measure(c):
@@ -138,7 +138,7 @@ def test_autotune_times_once_then_remembers(monkeypatch):
     monkeypatch.setattr(autotune, "measure", must_not_measure)
     monkeypatch.setattr(autotune, "_chosen", {})  # as in a new process
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton b"
-    cache.autotune_path({**description, **fake_env}).write_text("{trunc")
+    cache.autotune_path({**description, **fake_env, "timed": autotune.TIMED}).write_text("{trunc")
     monkeypatch.setattr(autotune, "_chosen", {})
     monkeypatch.setattr(autotune, "measure", lambda c: {"triton a": 1.0, "triton b": 3.0, "cublas": 2.0})
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton a"
@@ -156,3 +156,31 @@ def test_kernels_cli_lists_and_shows(cache_dir):
     assert GEMM.source() in kernels_cli.listing(show=f"{GEMM.name}-{entry.key}")
     with pytest.raises(LoraccError, match="no kernel named"):
         kernels_cli.listing(show="nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA kernels")
+def test_autotune_times_gpu_work_replayed_and_what_cannot_be_captured_from_python():
+    """Many tiny launches (host-bound from Python) time as their GPU work once replayed; a candidate
+    that synchronizes cannot be captured and is timed from Python; one that raises is reported."""
+    x = torch.randn(64, device="cuda")
+
+    def launches():
+        for _ in range(200):
+            x.add_(1.0)
+
+    def synchronizes():
+        x.add_(1.0)
+        torch.cuda.synchronize()
+
+    def fails():
+        raise RuntimeError("no such config")
+
+    assert autotune._captured(launches) is not None and autotune._captured(synchronizes) is None
+    timings = autotune.measure({"launches": launches, "synchronizes": synchronizes, "fails": fails}, reps=5)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    launches()
+    end.record()
+    torch.cuda.synchronize()
+    assert timings["launches"] < start.elapsed_time(end)  # replayed: no launch cost
+    assert isinstance(timings["synchronizes"], float) and timings["fails"].startswith("failed: RuntimeError")

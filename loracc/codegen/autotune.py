@@ -4,7 +4,10 @@ A computation (say, the forward of one LoRA linear at one shape) has candidates:
 template at a few block configurations, and cuBLAS with a small extra step. On a GPU the first
 call times each candidate on the call's own inputs and keeps the fastest (median of CUDA-event
 timings, L2 flushed in between); the choice and every timing go to the on-disk cache, so later
-processes skip the timing.
+processes skip the timing. Each candidate is timed as a replayed CUDA graph where it can be
+captured: GPU time, what a layer replayed as a graph spends (a candidate of several small kernels
+launched from Python would otherwise be timed by its launches, not its work); it is timed as
+launched from Python where it cannot.
 Candidates must compute the same result (their tests check that against the reference); one that
 fails to compile or launch (too much shared memory for a config, say) is left out, with the error
 kept in the record. Under the Triton interpreter nothing is timed: the first candidate runs.
@@ -22,6 +25,8 @@ from . import cache
 
 log = logging.getLogger("loracc")
 
+# How candidates are timed: part of a cached choice's key, so choices timed another way are made again.
+TIMED = "replayed as a CUDA graph where it can be captured"
 _chosen: dict[str, str] = {}
 # What each timed choice was, for ``loracc kernels`` and the backend's report (in this process).
 decisions: dict[str, dict] = {}
@@ -33,7 +38,7 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     choice = _chosen.get(memo_key)
     if choice in candidates:
         return choice
-    full = {**description, **cache.environment(device)}
+    full = {**description, **cache.environment(device), "timed": TIMED}
     record = cache.load_choice(full)
     if record is not None and record["choice"] in candidates:
         choice, source = record["choice"], "cache"
@@ -68,15 +73,38 @@ def measure(candidates: dict[str, Callable[[], object]], reps: int = 25) -> dict
         try:
             for _ in range(3):  # compiles on the first call; a config that cannot run raises here
                 fn()
+            graph = _captured(fn)
+            run = fn if graph is None else graph.replay
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
             for start, end in events:
                 flush.zero_()
                 start.record()
-                fn()
+                run()
                 end.record()
             torch.cuda.synchronize()
             timings[name] = statistics.median(start.elapsed_time(end) for start, end in events)
+            del graph, run
         except Exception as exc:  # noqa: BLE001 - a config that does not fit this GPU is left out
             timings[name] = f"failed: {type(exc).__name__}: {exc}"[:300]
     del flush
     return timings
+
+
+def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
+    """``fn`` captured as a CUDA graph (its outputs live in the graph's own pool, freed with it), or
+    None where it cannot be: a capture already in progress, or ``fn`` doing what a capture forbids."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        # thread_local: a CUDA call another thread makes meanwhile (a kernel loading) is not this capture's.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - timed from Python instead
+        log.debug("autotune: could not capture a candidate (%s); timing it from Python", exc)
+        torch.cuda.synchronize()
+        return None
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
