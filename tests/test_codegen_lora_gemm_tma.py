@@ -73,3 +73,25 @@ def test_rendered_kernel_says_what_it_computes():
     assert source.startswith(f"# loracc kernel lora_linear_grad_x_tma_{OUT}x{IN}_r{RANK}_")
     assert "dX = dY @ W + dU @ A, dU = s·dY@B computed before" in source
     assert "tl.make_tensor_descriptor" in source
+
+
+def test_an_input_off_16_bytes_is_copied_before_the_descriptor_reads_it():
+    config = CONFIGS[0]
+    storage = randn(T * IN + 1)
+    x = storage[1:].view(T, IN)  # one element past a 16-byte boundary
+    assert x.data_ptr() % 16 != 0
+    weight, su, lora_b, y = randn(OUT, IN), randn(T, RANK), randn(OUT, RANK), nan(T, OUT)
+    gemm = TmaLoraGemm("forward", IN, OUT, RANK, DTYPE)
+    kernel, bases = gemm.kernel(DEVICE), []
+
+    class Spy:  # the kernel, noting where each tensor argument starts
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                bases.extend(v.data_ptr() % 16 for v in kwargs.values() if isinstance(v, torch.Tensor))
+                return kernel[grid](**kwargs)
+            return launch
+
+    object.__setattr__(gemm, "kernel", lambda device: Spy())
+    gemm.launch(config, a=x, weight=weight, u=su, q=lora_b, out=y)
+    assert bases and set(bases) == {0}  # (the interpreter would not notice; TMA on a GPU faults)
+    assert rel_err(y, x.float() @ weight.float().t() + su.float() @ lora_b.float().t()) < TOL

@@ -87,11 +87,17 @@ class TmaLoraGemm:
 
     def launch(self, config: Config, *, a: Tensor, weight: Tensor, u: Tensor, q: Tensor, out: Tensor,
                bias: Tensor | None = None):
-        """Run the kernel on ``a`` (``[M, K]``); ``u`` and ``q`` in the base dtype; every tensor contiguous."""
+        """Run the kernel on ``a`` (``[M, K]``); ``u`` and ``q`` in the base dtype; every tensor contiguous.
+
+        A tensor descriptor needs its base on 16 bytes: an input that starts elsewhere (a view at an
+        odd offset) is copied first; ``out`` must start on 16 bytes.
+        """
         _ensure_allocator()
+        assert out.data_ptr() % 16 == 0, f"{self.name}: the output must start on 16 bytes"
         m = a.shape[0]
         n = self.out_features if self.use == "forward" else self.in_features
         programs = min(_programs(a.device), triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n))
+        a, weight, u, q = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, weight, u, q))
         args = dict(a_ptr=a, w_ptr=weight, u_ptr=u, q_ptr=q, out_ptr=out)
         if self.has_bias:
             args["bias_ptr"] = bias
