@@ -2,13 +2,14 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick] ...   (several parts run in order)
+#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|lora] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
 # steps: benchmarks/fused_rows.py's step variants (loracc without CUDA graphs, with "auto", with
 #        every graph replayed) on both workloads. kernels: the fused kernels' bandwidth with and
-#        without launch cost. quick: benchmarks/bench.py --quick.
+#        without launch cost. quick: benchmarks/bench.py --quick. lora: benchmarks/lora_linear.py (one
+#        LoRA linear against the frozen GEMMs at the six ANCHORS shapes, ~1.5-3 minutes).
 # Results go under $OUT (default ./gpu-check-out). Liger's wheel is installed from .whl/ when it is
 # there (carry it to the GPU machine); it must go through `python -m pip`, the interpreter the
 # benchmark workers run.
@@ -51,7 +52,9 @@ for part in "${@:-tests}"; do
     quick)
         BENCH_GIT_COMMIT=$commit timeout 330 python benchmarks/bench.py --quick --out "$OUT/bench-quick.json" \
             --report-dir "$OUT/report-quick" 2>&1 | grep -A30 "^summary" ;;
+    lora)
+        timeout 330 python benchmarks/lora_linear.py --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
     *)
-        echo "unknown part $part: tests, steps, kernels or quick"; exit 2 ;;
+        echo "unknown part $part: tests, steps, kernels, quick or lora"; exit 2 ;;
     esac
 done
