@@ -58,6 +58,12 @@ GPU_CONFIGS = (
 INTERPRETER_CONFIGS = (Config(32, 64, 32, 2, 1, 1), Config(16, 16, 16, 2, 1, 1))
 
 
+def rows_on_16_bytes(dtype: torch.dtype, *row_lengths: int) -> bool:
+    """Whether rows of each length (in elements of ``dtype``) start on 16 bytes, one after the other."""
+    size = torch.finfo(dtype).bits // 8
+    return all(n * size % 16 == 0 for n in row_lengths)
+
+
 def rank_padded(rank: int) -> int:
     return max(MIN_DOT, 1 << (rank - 1).bit_length())
 
@@ -147,8 +153,7 @@ class LoraGemm:
         stride then a run-time argument), Triton 3.6 produced a wrong input gradient on an H100;
         the row stride is now a constant of the kernel, and unaligned layers still go to cuBLAS.
         """
-        size = torch.finfo(self.dtype).bits // 8
-        return (self.in_features * size) % 16 == 0 and (self.out_features * size) % 16 == 0
+        return rows_on_16_bytes(self.dtype, self.in_features, self.out_features)
 
     def source(self) -> str:
         return render("lora_gemm.py.jinja", **self.variables())

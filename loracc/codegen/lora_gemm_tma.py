@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cache
-from .lora_gemm import DTYPE_NAMES, Config, rank_padded, triton_cdiv
+from .lora_gemm import DTYPE_NAMES, Config, rank_padded, rows_on_16_bytes, triton_cdiv
 from .render import render
 
 Tensor = torch.Tensor
@@ -59,8 +59,7 @@ class TmaLoraGemm:
     @property
     def aligned(self) -> bool:
         """Whether every row of every operand starts on 16 bytes, as a tensor descriptor needs."""
-        size = torch.finfo(self.dtype).bits // 8
-        return all(n * size % 16 == 0 for n in (self.in_features, self.out_features, self.rank))
+        return rows_on_16_bytes(self.dtype, self.in_features, self.out_features, self.rank)
 
     def source(self) -> str:
         i, o, r, dt = self.in_features, self.out_features, self.rank, DTYPE_NAMES[self.dtype]

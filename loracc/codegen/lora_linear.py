@@ -193,14 +193,19 @@ def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scal
         su = x2.new_empty(x2.shape[0], gemm.rank)
         gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=su)
     else:
-        su = _scaled_mm(lin2, lora_a.to(lin2.dtype).t(), scale)
+        su = _scaled_u(x2, lin2, lora_a, scale)
         gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=1.0, out=y, bias=bias, u=su)
     return y, su
 
 
+def _scaled_u(x2, lin2, lora_a, scale) -> Tensor:
+    """``su = s·lora_in@Aᵀ`` in the base dtype, one GEMM; ``lora_in`` is the dropped-out input or ``x``."""
+    return _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
+
+
 def _forward_tma(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
     """``su`` by cuBLAS, then the descriptor-based GEMM adding ``su@Bᵀ`` in its epilogue."""
-    su = _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
+    su = _scaled_u(x2, lin2, lora_a, scale)
     y = x2.new_empty(x2.shape[0], tma.out_features)
     tma.launch(config, a=x2, weight=weight.contiguous(), u=su, q=lora_b.to(x2.dtype).contiguous(), out=y, bias=bias)
     return y, su
@@ -208,14 +213,14 @@ def _forward_tma(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
 
 def _forward_cublas(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The frozen GEMM, then the rank-r term added into its output."""
-    su = _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
+    su = _scaled_u(x2, lin2, lora_a, scale)
     y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
     return y.addmm_(su, lora_b.to(x2.dtype).t()), su
 
 
 def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The rank-r term (+ bias) first, then the frozen GEMM accumulating into it."""
-    su = _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
+    su = _scaled_u(x2, lin2, lora_a, scale)
     if bias is None:
         return torch.mm(su, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t()), su
     return torch.addmm(bias, su, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t()), su
