@@ -3,12 +3,11 @@
     forward      y  = x  @ Wᵀ (+ bias) + su @ Bᵀ,   su = s·x@Aᵀ  (or s·drop(x)@Aᵀ), computed before
     grad_input   dX = dY @ W           + dU @ A,    dU = s·dY@B, computed before
 
-A persistent kernel whose tiles come through tensor descriptors: on an H100 it runs the frozen
-product at cuBLAS's speed (4096 → 4096, T = 8192: 0.384 vs 0.395 ms; benchmarks/results/
-lora_linear_h100.md), where the pointer-based ``lora_gemm`` template is ~15% slower. The rank-r
-term comes in its epilogue, read from ``su``/``dU`` that a cuBLAS GEMM computed first: with ``u``
-in the main loop instead, the same kernel lost 25% on that GPU. It is one of the autotuner's
-candidates beside the pointer-based template and cuBLAS.
+A persistent kernel whose tiles come through tensor descriptors. The rank-r term comes in its
+epilogue, read from ``su``/``dU`` that a cuBLAS GEMM computed first, not from the main loop (where
+the rank-r product slowed the same kernel down on an H100). It is one of the autotuner's candidates
+beside the pointer-based template and cuBLAS; what it reached, and the experiment behind its design,
+are in benchmarks/results/lora_linear_h100.md.
 
 Device-side descriptors need scratch memory at launch: loracc gives Triton an allocator that takes
 it from PyTorch (``triton.set_allocator``) unless one is already set.
