@@ -76,6 +76,7 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
     record["cuda_graphs"] = loracc.explain(peft_model).cuda_graphs
     record["persistent_bytes"] = persistent_bytes(peft_model)
     record["predicted_peak_bytes"] = predicted_peak_bytes(runs, record["persistent_bytes"])
+    record["graph_pool"] = graph_pool_bytes(peft_model)
     record["regions"] = [
         dict(kind=region.kind, runs=repeats, saved_bytes=program.reports["remat"]["saved bytes"],
              fastest_saved_bytes=program.reports["remat"]["fastest plan saved bytes"],
@@ -85,6 +86,25 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
         for (region, program), (_, repeats) in zip(regions, runs)
     ]
     return record
+
+
+def graph_pool_bytes(peft_model) -> dict | None:
+    """What the memory pool of the model's CUDA graphs holds after the run (every lease released):
+    ``allocated``, the graphs' kept outputs; ``free``, the rest of its segments, the bytes every
+    graph's temporaries share. None when no graph was captured."""
+    import torch
+
+    pools = set()
+    for backend in peft_model._loracc.backend.by_device.values():
+        pool = getattr(backend, "_pool", None)
+        if pool is not None and any(True for _ in pool.live):
+            pools.add(tuple(pool.handle()))
+    if not pools:
+        return None
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in pools]
+    reserved = sum(s["total_size"] for s in segments)
+    allocated = sum(s["allocated_size"] for s in segments)
+    return dict(reserved=reserved, allocated=allocated, free=reserved - allocated, segments=len(segments))
 
 
 def table(records: list[dict]) -> str:
