@@ -14,11 +14,12 @@ at the same time never share bytes) and rewrites those nodes to write there:
 Other temporaries (attention's outputs and gradients, the LoRA adapters' small gradients, what a
 kernel allocates inside itself) are left to PyTorch's allocator, and the plan leaves them out.
 
-Each call of the graph takes its arena from the allocator in one piece, at its start, and gives it
-back when its last temporary dies: between calls the allocator can hand those bytes to anything else
-(a step's memory peaks outside the blocks' graphs, in the loss, as often as inside). The repeated
-calls of a block get the same block of memory back, and so does every layer's CUDA graph capture
-from the graphs' shared pool: one arena shared by every layer.
+One ``Arena`` per backend (per device) serves every graph of the model: its forward and backward
+graphs, every layer, never run at once, and a graph's temporaries are dead when it returns. It is as
+large as the largest plan. A graph captured as a CUDA graph keeps the arena's address; if a later
+graph needs a larger arena, the one a capture used is kept alive with the model (a second
+allocation: the largest plan is normally known before any capture, as the first step compiles every
+region before the second step captures).
 """
 from __future__ import annotations
 
@@ -40,23 +41,60 @@ _ALLOCATES = (aten.empty_like.default, aten.empty.memory_format, aten.empty_stri
               aten.new_empty.default, aten.new_empty_strided.default)
 
 
+class Arena:
+    """One byte buffer on ``device`` that graphs place their temporaries in (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = _indexed(device)
+        self.tensor: Tensor | None = None
+        self.generation = 0  # bumped at every new allocation: cached views are stale after it
+        self._captured = False  # a CUDA graph was captured over the current tensor
+        self._kept: list[Tensor] = []  # earlier tensors CUDA graphs were captured over
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the arena at least ``nbytes`` long (before any graph that needs it runs)."""
+        if nbytes <= self.nbytes:
+            return
+        if self._captured:
+            self._kept.append(self.tensor)
+        self.tensor = None  # the old one is freed before the new one is taken, where nothing holds it
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._captured = False
+        self.generation += 1
+
+    def view(self, offset: int, shape, stride, dtype: torch.dtype) -> Tensor:
+        """The tensor of ``shape`` and ``stride`` whose bytes start ``offset`` bytes into the arena."""
+        elements = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
+        raw = self.tensor[offset: offset + elements * dtype.itemsize].view(dtype)
+        return raw.as_strided(shape, stride)
+
+    def note_use(self) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured = True
+
+
 class ArenaSlots:
-    """The graph's first node: one arena of ``nbytes`` for this call, and the views of it that its
-    placed temporaries are written into (``layout``: ``(offset, shape, stride, dtype)`` each)."""
+    """The graph's first node: the views of the arena its placed temporaries are written into,
+    made once per arena allocation."""
 
     __module__ = "loracc.codegen.arena"
     __name__ = "arena_slots"
 
-    def __init__(self, nbytes: int, layout: list[tuple], device: torch.device):
-        self.nbytes, self.layout, self.device = nbytes, layout, device
-        self.dtypes = sorted({dtype for *_, dtype in layout}, key=str)
+    def __init__(self, arena: Arena, layout: list[tuple]):
+        self.arena, self.layout = arena, layout  # layout: (offset, shape, stride, dtype) per slot
+        self._views: tuple = ()
+        self._generation = -1
 
     def __call__(self) -> tuple:
-        arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        # Every offset is a multiple of memory_plan.ALIGNMENT (256 bytes), so of every itemsize.
-        typed = {dtype: arena.view(dtype) for dtype in self.dtypes}
-        return tuple(torch.as_strided(typed[dtype], shape, stride, offset // dtype.itemsize)
-                     for offset, shape, stride, dtype in self.layout)
+        self.arena.note_use()
+        if self._generation != self.arena.generation:
+            self._views = tuple(self.arena.view(*slot) for slot in self.layout)
+            self._generation = self.arena.generation
+        return self._views
 
 
 def out_overload(op) -> tuple[torch._ops.OpOverload, str] | None:
@@ -90,9 +128,10 @@ def writes_into(node: fx.Node, item: int | None, device: torch.device) -> bool:
     return item is None and aliased_input(node) is None and out_overload(node.target) is not None
 
 
-def place(graph: fx.Graph, device: torch.device) -> dict:
+def place(graph: fx.Graph, arena: Arena, device: torch.device) -> dict:
     """Rewrite ``graph`` (the backend's copy, its targets already the kernels that will run) so that
-    every temporary an op can write into a given buffer is written into the call's arena. Returns what was placed: ``placed``, ``placed_bytes``, ``left`` and ``left_bytes``
+    every temporary an op can write into a given buffer is written into ``arena``; reserve the
+    arena's bytes. Returns what was placed: ``placed``, ``placed_bytes``, ``left`` and ``left_bytes``
     (temporaries left to the allocator) and ``left_ops`` (their ops), ``arena_bytes`` (this graph's plan)."""
     nodes = list(graph.nodes)
     outputs = graph.find_nodes(op="output")[0].args[0]
@@ -106,6 +145,7 @@ def place(graph: fx.Graph, device: torch.device) -> dict:
                    left_ops=sorted({_op_name(b.key[0].target) for b in left}))
     if not placed:
         return summary
+    arena.reserve(arena_bytes)
     layout = []
     for b, offset in zip(placed, offsets):
         node, item = b.key
@@ -113,7 +153,7 @@ def place(graph: fx.Graph, device: torch.device) -> dict:
         layout.append((offset, tuple(val.shape), tuple(val.stride()), val.dtype))
     first = next(n for n in nodes if n.op != "placeholder")
     with graph.inserting_before(first):
-        slots = graph.call_function(ArenaSlots(arena_bytes, layout, _indexed(device)), ())
+        slots = graph.call_function(ArenaSlots(arena, layout), ())
         views = [graph.call_function(operator.getitem, (slots, i)) for i in range(len(placed))]
     by_node: dict[fx.Node, dict] = {}
     for b, view in zip(placed, views):

@@ -6,7 +6,7 @@ instead; every group the ``fusion`` pass made (a ``FusedRows`` call) runs its ge
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
 chunk (``cross_entropy``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated). The graph's
-temporaries are then written into one arena per call, at the offsets planned for them (``arena``).
+temporaries are then written into the backend's arena at the offsets planned for them (``arena``).
 """
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ class TritonBackend:
         self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
         self.device = device
         self._pool = SharedPool()  # one memory pool for every graph of the model
+        self.arena = arena.Arena(device)  # where every graph's temporaries are placed (codegen/arena.py)
         self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
@@ -124,7 +125,7 @@ class TritonBackend:
             else:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
-        placed = arena.place(graph, self.device)
+        placed = arena.place(graph, self.arena, self.device)
         self.report.append({"stage": stage, "node": "arena", "layer": None, "arena": placed,
                             "runs": f"{placed['placed']} temporaries ({placed['placed_bytes']:,} bytes) written into the "
                                     f"arena ({placed['arena_bytes']:,} bytes for this graph), {placed['left']} "
