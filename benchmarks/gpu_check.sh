@@ -39,7 +39,7 @@ for part in "${@:-tests}"; do
         # A cold kernel cache makes the CUDA-graph test compile and autotune every fp32 kernel first.
         for f in ${TESTS:-tests/test_gpu_training.py tests/test_cuda_graphs.py tests/test_codegen_precompile.py tests/test_codegen_fused_rows.py \
                  tests/test_codegen_cross_entropy.py tests/test_optim.py tests/test_fp16.py tests/test_codegen_lora_gemm_tma.py \
-                 tests/test_codegen_cache.py tests/test_codegen_arena.py}; do
+                 tests/test_codegen_cache.py}; do
             echo "== $f"
             # --show-capture=no: a failure's report without torch's DEBUG trace logs (caplog still works)
             site=; [ "$f" = tests/test_gpu_training.py ] && site=$trl_site

@@ -21,7 +21,6 @@ from loracc import presets  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from loracc._compat import trace  # noqa: E402
 from loracc.codegen import get_backend, lora_linear  # noqa: E402
-from loracc.codegen.arena import ArenaSlots  # noqa: E402
 from loracc.codegen.triton_backend import TritonBackend, available  # noqa: E402
 from loracc.ops import LORA_LINEAR  # noqa: E402
 
@@ -75,7 +74,7 @@ def test_compiled_llama_matches(dropout, targets):
     assert lora and all(e["runs"].startswith("fused") for e in lora), report
     # The head's projection + loss: the chunked softmax kernel.
     assert [e["runs"] for e in report if e["node"].startswith("linear_cross_entropy")] == ["generated kernel (chunked softmax)"]
-    assert all(e["node"].startswith(("lora_linear", "fused_rows", "linear_cross_entropy", "arena")) for e in report), report
+    assert all(e["node"].startswith(("lora_linear", "fused_rows", "linear_cross_entropy")) for e in report), report
     # Norms, rotary embeddings, SwiGLU: generated kernels in both the forward and the backward.
     rows = [e for e in report if e["node"].startswith("fused_rows")]
     assert {e["stage"] for e in rows} == {"forward", "backward"}
@@ -83,9 +82,8 @@ def test_compiled_llama_matches(dropout, targets):
 
 
 def _calls(gm):
-    """The ops a graph calls (its ``getitem`` of tuple outputs and its arena's views left out)."""
-    return [n.target for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is not operator.getitem and not isinstance(n.target, ArenaSlots)]
+    """The ops a graph calls (its ``getitem`` of tuple outputs left out)."""
+    return [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
 
 
 def test_unsupported_node_keeps_reference_op_and_says_why():

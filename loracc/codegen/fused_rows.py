@@ -400,18 +400,15 @@ class RowKernel:
     def kernel(self, device: torch.device):
         return _load(self.name, self.source, device)
 
-    def __call__(self, *inputs, out: list | tuple | None = None):
-        """The kernel's outputs; ``out``: a tensor to write each into (of its shape), or None each."""
+    def __call__(self, *inputs, out: list | None = None):
         for i, (t, v) in enumerate(zip(inputs, self.input_vals)):
             if isinstance(v, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != v.shape):
                 raise ValueError(f"{self.name}: input {i} has shape {getattr(t, 'shape', None)}, the kernel was made for {tuple(v.shape)}")
         device = inputs[0].device
-        given = out if out is not None else [None] * len(self.output_vals)
-        outputs = [
-            t if t is not None else torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
-            for t, v in zip(given, self.output_vals)
+        outputs = out if out is not None else [
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device) for v in self.output_vals
         ]
-        if not self.wide_offsets and self._reaches_past_int32(inputs, [t for t in given if t is not None]):
+        if not self.wide_offsets and self._reaches_past_int32(inputs, out):
             return self._wide(*inputs, out=outputs)
         strides = self._strides(inputs, outputs)
         grid = (-(-self.n_rows // self.block_r),)

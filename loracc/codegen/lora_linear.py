@@ -164,14 +164,11 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
 
 
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
-                scale: float, lora_x: Tensor | None, out: tuple = (None, None)) -> tuple[Tensor, Tensor]:
-    """``(y, su)``; ``out``: tensors to write them into (contiguous, of their shapes), or None each."""
+                scale: float, lora_x: Tensor | None) -> tuple[Tensor, Tensor]:
     out_features, in_features = weight.shape
     x2 = _rows(x, in_features)
     lin2 = None if lora_x is None else _rows(lora_x, in_features)
-    y2 = _given(out[0], (x2.shape[0], out_features)) if out[0] is not None else x2.new_empty(x2.shape[0], out_features)
-    su = _given(out[1], (x2.shape[0], lora_a.shape[0])) if out[1] is not None else x2.new_empty(x2.shape[0], lora_a.shape[0])
-    args = (x2, lin2, weight, bias, lora_a, lora_b, scale, y2, su)
+    args = (x2, lin2, weight, bias, lora_a, lora_b, scale)
     key = _key("lora_linear", x2, lin2, weight, bias, lora_a, lora_b)
     impl = _plans.get(key)
     if impl is None:
@@ -179,15 +176,8 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
         impls = {**_template_impls(gemm, _forward_template), **_tma_impls(_tma_gemm(gemm, x.device), _forward_tma),
                  "cublas": _forward_cublas, "cublas lora-first": _forward_cublas_lora_first}
         impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
-    impl(*args)
-    return y2.view(*x.shape[:-1], out_features), su
-
-
-def _given(t: Tensor, shape: tuple) -> Tensor:
-    """An ``out`` tensor as the ``[rows, features]`` matrix the kernels write (a view: it is contiguous)."""
-    if not t.is_contiguous():
-        raise ValueError(f"lora_linear: an out= tensor must be contiguous, got strides {t.stride()}")
-    return t.view(shape)
+    y, su = impl(*args)
+    return y.reshape(*x.shape[:-1], out_features), su
 
 
 def _forward_gemm(dtype, weight, bias, lora_a, dropout: bool) -> LoraGemm:
@@ -196,47 +186,44 @@ def _forward_gemm(dtype, weight, bias, lora_a, dropout: bool) -> LoraGemm:
                     lora_in="loaded" if dropout else "fused")
 
 
-# Each forward candidate writes ``y = x@Wᵀ (+ bias) + su@Bᵀ`` into ``y`` and ``su = s·lora_in@Aᵀ`` into ``su``.
-
-
-def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scale, y, su):
-    """The template writes both when it computes u itself; with dropout su comes first."""
+def _forward_template(gemm, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
+    """``(y, su)``: the template writes both when it computes u itself; with dropout su comes first."""
+    y = x2.new_empty(x2.shape[0], gemm.out_features)
     if lin2 is None:
+        su = x2.new_empty(x2.shape[0], gemm.rank)
         gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=scale, out=y, bias=bias, u=su)
     else:
-        _scaled_u(x2, lin2, lora_a, scale, su)
+        su = _scaled_u(x2, lin2, lora_a, scale)
         gemm.launch(config, a=x2, weight=weight, p=lora_a, q=lora_b, scale=1.0, out=y, bias=bias, u=su)
+    return y, su
 
 
-def _scaled_u(x2, lin2, lora_a, scale, su: Tensor) -> None:
+def _scaled_u(x2, lin2, lora_a, scale) -> Tensor:
     """``su = s·lora_in@Aᵀ`` in the base dtype, one GEMM; ``lora_in`` is the dropped-out input or ``x``."""
-    _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale, out=su)
+    return _scaled_mm(x2 if lin2 is None else lin2, lora_a.to(x2.dtype).t(), scale)
 
 
-def _forward_tma(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale, y, su):
+def _forward_tma(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
     """``su`` by cuBLAS, then the descriptor-based GEMM adding ``su@Bᵀ`` in its epilogue."""
-    _scaled_u(x2, lin2, lora_a, scale, su)
+    su = _scaled_u(x2, lin2, lora_a, scale)
+    y = x2.new_empty(x2.shape[0], tma.out_features)
     tma.launch(config, a=x2, weight=weight.contiguous(), u=su, q=lora_b.to(x2.dtype).contiguous(), out=y, bias=bias)
+    return y, su
 
 
-def _forward_cublas(x2, lin2, weight, bias, lora_a, lora_b, scale, y, su):
+def _forward_cublas(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The frozen GEMM, then the rank-r term added into its output."""
-    _scaled_u(x2, lin2, lora_a, scale, su)
-    if bias is None:
-        torch.mm(x2, weight.t(), out=y)
-    else:
-        torch.addmm(bias, x2, weight.t(), out=y)
-    y.addmm_(su, lora_b.to(x2.dtype).t())
+    su = _scaled_u(x2, lin2, lora_a, scale)
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    return y.addmm_(su, lora_b.to(x2.dtype).t()), su
 
 
-def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale, y, su):
+def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale):
     """The rank-r term (+ bias) first, then the frozen GEMM accumulating into it."""
-    _scaled_u(x2, lin2, lora_a, scale, su)
+    su = _scaled_u(x2, lin2, lora_a, scale)
     if bias is None:
-        torch.mm(su, lora_b.to(x2.dtype).t(), out=y)
-    else:
-        torch.addmm(bias, su, lora_b.to(x2.dtype).t(), out=y)
-    y.addmm_(x2, weight.t())
+        return torch.mm(su, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t()), su
+    return torch.addmm(bias, su, lora_b.to(x2.dtype).t()).addmm_(x2, weight.t()), su
 
 
 # Backward -------------------------------------------------------------------------------------
@@ -244,19 +231,14 @@ def _forward_cublas_lora_first(x2, lin2, weight, bias, lora_a, lora_b, scale, y,
 
 def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
                          scale: float, lora_in_is_x: bool, need_grad_x: bool, need_grad_lora_in: bool,
-                         need_grad_bias: bool, out: tuple = (None,) * 5) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The op's five gradients; ``out``: tensors to write the first two (the input gradients) into,
-    or None each (the others are always allocated here)."""
+                         need_grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out_features, in_features = weight.shape
     gy2 = _rows(grad_y, out_features)
     lin2 = _rows(lora_in, in_features)
     # fp32 adapters next to a 16-bit base: cast once here, for every product below.
     a_c, b_c = lora_a.to(gy2.dtype), lora_b.to(gy2.dtype)
     flags = _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in)
-    rows = gy2.shape[0]
-    grad_x = (_given(out[0], (rows, in_features)) if out[0] is not None else gy2.new_empty(rows, in_features)) if flags[1] else None
-    grad_lin = (_given(out[1], (rows, in_features)) if out[1] is not None else gy2.new_empty(rows, in_features)) if flags[2] else None
-    grad_u = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags, grad_x, grad_lin)
+    grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags)
     args = (gy2, lin2, lora_u, grad_u, lora_a.dtype)
     key = _key("lora_linear_grad_adapters", gy2, lin2, grad_u, lora_a)
     impl = _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}",
@@ -278,9 +260,8 @@ def _grad_flags(lora_in_is_x: bool, need_grad_x: bool, need_grad_lora_in: bool) 
     return lora_in_is_x, need_grad_x, need_grad_lora_in and not lora_in_is_x
 
 
-def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags, grad_x, grad_lin) -> Tensor:
-    """``dU = s·dY@B``, returned; ``dX = dY@W`` (+ dU@A when the LoRA branch reads x itself) written
-    into ``grad_x``, ``dX' = dU@A`` into ``grad_lin`` (each None where not needed).
+def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
+    """``(dU, dX, dX')``: dU = s·dY@B; dX = dY@W (+ dU@A when the LoRA branch reads x itself); dX' = dU@A.
 
     ``a_c``, ``b_c`` are the adapters in ``gy2``'s dtype (the cuBLAS candidates' operands); the
     template reads ``lora_a``, ``lora_b`` as they are. The template covers the two cases of training
@@ -290,7 +271,7 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags, grad_x, gra
     lora_in_is_x, need_grad_x, need_grad_lin = flags
     key = _key("lora_linear_backward", gy2, weight, lora_a, lora_b, flags=flags)
     impl = _plans.get(key)
-    args = (gy2, weight, lora_a, lora_b, a_c, b_c, scale, grad_x, grad_lin)
+    args = (gy2, weight, lora_a, lora_b, a_c, b_c, scale)
     if impl is None:
         impls = {"cublas": functools.partial(_grad_input_cublas, flags, False),
                  "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
@@ -316,39 +297,39 @@ def _grad_input_gemm(dtype, weight, lora_a, flags) -> LoraGemm | None:
                     lora_out="add" if lora_in_is_x else "separate")
 
 
-def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale, grad_x, grad_lin):
-    grad_u = gy2.new_empty(gy2.shape[0], gemm.rank, dtype=torch.float32)
+def _grad_input_template(gemm, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
+    rows = gy2.shape[0]
+    grad_u = gy2.new_empty(rows, gemm.rank, dtype=torch.float32)
+    grad_x = gy2.new_empty(rows, gemm.in_features)
+    grad_lin = gy2.new_empty(rows, gemm.in_features) if gemm.lora_out == "separate" else None
     gemm.launch(config, a=gy2, weight=weight, p=lora_b, q=lora_a, scale=scale, out=grad_x, u=grad_u, lora_out=grad_lin)
-    return grad_u
+    return grad_u, grad_x, grad_lin
 
 
-def _grad_input_tma(tma, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale, grad_x, grad_lin):
+def _grad_input_tma(tma, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
     """``dU`` by cuBLAS, then the descriptor-based GEMM adding ``dU@A`` in its epilogue."""
     grad_u = _scaled_mm(gy2, b_c, scale)
+    grad_x = gy2.new_empty(gy2.shape[0], tma.in_features)
     tma.launch(config, a=gy2, weight=weight.contiguous(), u=grad_u, q=a_c.contiguous(), out=grad_x)
-    return grad_u
+    return grad_u, grad_x, None
 
 
-def _scaled_mm(a: Tensor, b: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
+def _scaled_mm(a: Tensor, b: Tensor, scale: float) -> Tensor:
     """``scale·(a@b)`` as one GEMM (the scale in its epilogue, not a second kernel over the result)."""
-    if out is None:
-        return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
-    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale, out=out)
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
 
 
-def _grad_input_cublas(flags, lora_first, gy2, weight, lora_a, lora_b, a_c, b_c, scale, grad_x, grad_lin):
+def _grad_input_cublas(flags, lora_first, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
     lora_in_is_x, need_grad_x, need_grad_lin = flags
     grad_u = _scaled_mm(gy2, b_c, scale)
+    grad_x = grad_lin = None
     if need_grad_x and lora_in_is_x:
-        if lora_first:
-            torch.mm(grad_u, a_c, out=grad_x).addmm_(gy2, weight)
-        else:
-            torch.mm(gy2, weight, out=grad_x).addmm_(grad_u, a_c)
+        grad_x = torch.mm(grad_u, a_c).addmm_(gy2, weight) if lora_first else torch.mm(gy2, weight).addmm_(grad_u, a_c)
     elif need_grad_x:
-        torch.mm(gy2, weight, out=grad_x)
+        grad_x = torch.mm(gy2, weight)
     if need_grad_lin:
-        torch.mm(grad_u, a_c, out=grad_lin)
-    return grad_u
+        grad_lin = torch.mm(grad_u, a_c)
+    return grad_u, grad_x, grad_lin
 
 
 def _mm_to(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:

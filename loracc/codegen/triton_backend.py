@@ -5,8 +5,7 @@ Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case
 instead; every group the ``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
 chunk (``cross_entropy``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
-op, and the reason is kept in ``report`` (so nothing is silently approximated). The graph's
-temporaries are then written into the backend's arena at the offsets planned for them (``arena``).
+op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from ..cross_entropy import LINEAR_CROSS_ENTROPY
 from ..cuda_graphs import Replayer, SharedPool
 from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..passes.fusion import FusedRows
-from . import arena, cross_entropy, fused_rows, lora_linear, precompile
+from . import cross_entropy, fused_rows, lora_linear, precompile
 
 
 def available(device: torch.device) -> str | None:
@@ -75,7 +74,6 @@ class TritonBackend:
         self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
         self.device = device
         self._pool = SharedPool()  # one memory pool for every graph of the model
-        self.arena = arena.Arena(device)  # where every graph's temporaries are placed (codegen/arena.py)
         self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
@@ -125,12 +123,6 @@ class TritonBackend:
             else:
                 entry["runs"] = f"reference op: {reason}"
             self.report.append(entry)
-        placed = arena.place(graph, self.arena, self.device)
-        self.report.append({"stage": stage, "node": "arena", "layer": None, "arena": placed,
-                            "runs": f"{placed['placed']} temporaries ({placed['placed_bytes']:,} bytes) written into the "
-                                    f"arena ({placed['arena_bytes']:,} bytes for this graph), {placed['left']} "
-                                    f"({placed['left_bytes']:,} bytes) left to the allocator"
-                                    + (f" ({', '.join(placed['left_ops'])})" if placed["left_ops"] else "")})
         gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)  # its Python code, generated once
         if self.device.type == "cuda":
             if self._hashing is not None:

@@ -16,9 +16,8 @@ the activation bytes the forward hands to the backward (graph inputs that are ac
 parameters do not), ``saved_input_bytes`` the part of them that are graph inputs. ``step_peak_bytes``
 turns the reports of a step's regions into the step's predicted peak.
 
-The eager backend runs the graph as is and lets the allocator place each buffer. The Triton backend
-runs it out of one arena (``codegen/arena.py``): it lays out with ``plan_offsets`` the temporaries
-whose ops can write into a given buffer and has them write there.
+The eager backend runs the graph as is and lets the allocator place each buffer; running out of
+the arena needs generated kernels that write into ``out=`` buffers, which is codegen's part.
 """
 from __future__ import annotations
 
