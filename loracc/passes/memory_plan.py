@@ -16,8 +16,12 @@ the activation bytes the forward hands to the backward (graph inputs that are ac
 parameters do not), ``saved_input_bytes`` the part of them that are graph inputs. ``step_peak_bytes``
 turns the reports of a step's regions into the step's predicted peak.
 
-The eager backend runs the graph as is and lets the allocator place each buffer; running out of
-the arena needs generated kernels that write into ``out=`` buffers, which is codegen's part.
+Both backends run the graph as is and let PyTorch's allocator place each buffer (a CUDA graph's
+in the pool every graph of the model shares, so the temporaries of every layer share its free
+bytes); the plan's offsets serve the reports and the tests. Writing each temporary at its planned
+offset was measured on an H100 (Llama-3.2-1B-shaped step, ``benchmarks/results/memory_budget_h100.md``)
+and lost to the allocator: one arena kept for the whole step raised the peak, and one arena per
+graph call raised both the peak and the reserved bytes.
 """
 from __future__ import annotations
 
