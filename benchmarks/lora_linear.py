@@ -94,7 +94,7 @@ def check_candidates(layer) -> dict:
     from loracc.codegen.lora_gemm import GPU_CONFIGS
 
     names = ([f"triton {c}" for c in GPU_CONFIGS] + [f"tma {c}" for c in lora_gemm_tma.GPU_CONFIGS]
-             + ["cublas", "cublas lora-first", "cublas transposed"])
+             + ["cublas", "cublas lora-first"])
     errors = {}
     for name in names:
         with forced(name):
@@ -205,15 +205,15 @@ def environment() -> dict:
 
 
 def table(rows) -> str:
-    lines = ["| in → out | frozen ms | PEFT-style ms | loracc ms | PEFT / frozen | loracc / frozen | fwd / frozen fwd | chosen: forward; grad input; adapter grads | max rel err |",
+    lines = ["| in → out | frozen ms | PEFT-style ms | loracc ms | PEFT / frozen | loracc / frozen | fwd / frozen fwd | chosen: forward; grad input | max rel err |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['in']} → {r['out']} | {r['frozen_ms']:.3f} | {r['peft_ms']:.3f} | {r['loracc_ms']:.3f} | "
             f"{r['peft_ms'] / r['frozen_ms']:.2f}× | {r['loracc_ms'] / r['frozen_ms']:.2f}× | "
             f"{r['loracc_forward_ms'] / r['frozen_forward_ms']:.2f}× | "
-            f"{r['choices'].get('lora_linear', '?')}; {r['choices'].get('lora_linear_backward', '?')}; "
-            f"{r['choices'].get('lora_linear_grad_adapters', '?')} | {max(r['errors']):.1e} |"
+            f"{r['choices'].get('lora_linear', '?')}; {r['choices'].get('lora_linear_backward', '?')} | "
+            f"{max(r['errors']):.1e} |"
         )
     geo = lambda key, base="frozen_ms": math.exp(sum(math.log(r[key] / r[base]) for r in rows) / len(rows))  # noqa: E731
     lines.append(f"\ngeometric mean over the shapes: loracc / frozen = {geo('loracc_ms'):.3f}×, PEFT-style / frozen = {geo('peft_ms'):.3f}×")

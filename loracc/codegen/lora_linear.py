@@ -239,11 +239,7 @@ def lora_linear_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, weight
     a_c, b_c = lora_a.to(gy2.dtype), lora_b.to(gy2.dtype)
     flags = _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in)
     grad_u, grad_x, grad_lin = _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags)
-    args = (gy2, lin2, lora_u, grad_u, lora_a.dtype)
-    key = _key("lora_linear_grad_adapters", gy2, lin2, grad_u, lora_a)
-    impl = _plan(key, f"grad_adapters_{in_features}x{out_features}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}",
-                 ADAPTER_GRADS, args, lora_a.dtype)
-    grad_a, grad_b = impl(*args)
+    grad_a, grad_b = _adapter_grads(gy2, lin2, lora_u, grad_u, lora_a.dtype)
     lead = grad_y.shape[:-1]
     return (
         or_empty(None if grad_x is None else grad_x.reshape(*lead, in_features), grad_y),
@@ -342,18 +338,14 @@ def _mm_to(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.mm(a, b).to(dtype)
 
 
-def _adapter_grads(transposed, gy2, lin2, su, grad_u, grad_dtype):
+def _adapter_grads(gy2, lin2, su, grad_u, grad_dtype):
     """``(dA, dB)`` = ``(dUᵀ@lora_in, dYᵀ@su)`` in ``grad_dtype`` (the adapters'), ``su`` the forward's
-    ``s·lora_in@Aᵀ``; ``transposed`` computes their transposes.
+    ``s·lora_in@Aᵀ``: two rank-r GEMMs on cuBLAS.
 
-    Both forms are the same two rank-r GEMMs; cuBLAS picks other kernels for the two layouts, and
-    which is faster depends on the shape.
+    Their transposes (``lora_inᵀ@dU``, ``suᵀ@dY``, which cuBLAS runs with other kernels) were slower
+    by 4–6 µs at each of the ten shapes they were timed at on an H100 (2026-11-23: every LoRA layer
+    of Qwen2-0.5B and Llama-3.2-1B, ``benchmarks/results/autotune_choices_h100_2026-11-23.json``, and
+    the six of ANCHORS, ``lora_linear_h100.json``), so the pair is no longer autotuned.
     """
     grad_u = grad_u.to(lin2.dtype)
-    if transposed:
-        return _mm_to(lin2.t(), grad_u, grad_dtype).t().contiguous(), _mm_to(su.t(), gy2, grad_dtype).t().contiguous()
     return _mm_to(grad_u.t(), lin2, grad_dtype), _mm_to(gy2.t(), su, grad_dtype)
-
-
-ADAPTER_GRADS = {"cublas": functools.partial(_adapter_grads, False), "cublas transposed": functools.partial(_adapter_grads, True)}
-
