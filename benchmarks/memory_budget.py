@@ -97,7 +97,7 @@ def graph_pool_bytes(peft_model) -> dict | None:
     pools = set()
     for backend in peft_model._loracc.backend.by_device.values():
         pool = getattr(backend, "_pool", None)
-        if pool is not None and any(True for _ in pool.live):
+        if pool is not None and len(pool.live):
             pools.add(tuple(pool.handle()))
     if not pools:
         return None
