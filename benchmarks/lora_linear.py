@@ -94,7 +94,7 @@ def check_candidates(layer) -> dict:
     from loracc.codegen.lora_gemm import GPU_CONFIGS
 
     names = ([f"triton {c}" for c in GPU_CONFIGS] + [f"tma {c}" for c in lora_gemm_tma.GPU_CONFIGS]
-             + [f"tma-u {c}" for c in lora_gemm_tma.GPU_CONFIGS] + ["cublas", "cublas lora-first"])
+             + ["cublas", "cublas lora-first"])
     errors = {}
     for name in names:
         with forced(name):

@@ -33,7 +33,6 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.fl
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 TRITON = f"triton {CONFIGS[0]}"
 TMA = f"tma {(lora_gemm_tma.GPU_CONFIGS if DEVICE.type == 'cuda' else lora_gemm_tma.INTERPRETER_CONFIGS)[0]}"
-TMA_U = TMA.replace("tma ", "tma-u ")  # the rank-r product in the kernel's main loop
 T, IN, OUT = 37, 48, 40  # rows, in_features, out_features: no multiple of any tile
 
 
@@ -110,16 +109,14 @@ def _layer(dtype, adapter_dtype, rank, has_bias, lead=(T,)):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidate", [TRITON, TMA, TMA_U, "cublas", "cublas lora-first"])
+@pytest.mark.parametrize("candidate", [TRITON, TMA, "cublas", "cublas lora-first"])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bias):
     layer = _layer(dtype, torch.float32, 8, has_bias, lead=(3, 13))
     lora_x = torch.nn.functional.dropout(layer["x"], 0.3) if dropout else None
-    if candidate in (TMA, TMA_U) and lora_linear._tma_gemm(LoraGemm("forward", IN, OUT, 8, dtype), DEVICE) is None:
+    if candidate == TMA and lora_linear._tma_gemm(LoraGemm("forward", IN, OUT, 8, dtype), DEVICE) is None:
         pytest.skip("no tensor-descriptor kernel for this case (it needs sm90+ and 16-bit operands on a GPU)")
-    if candidate == TMA_U and dropout:
-        pytest.skip("with dropout the rank-r product reads drop(x), which the GEMM does not load")
     force_choice(candidate)
     got = lora_linear.lora_linear(**layer, lora_x=lora_x)
     expected = reference_forward(**layer, lora_x=lora_x)
@@ -129,7 +126,7 @@ def test_lora_linear_forward_op(force_choice, dtype, candidate, dropout, has_bia
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("candidates", [(TRITON, "cublas"), (TMA, "cublas"), (TMA_U, "cublas"), ("cublas",), ("cublas lora-first",)], ids=str)
+@pytest.mark.parametrize("candidates", [(TRITON, "cublas"), (TMA, "cublas"), ("cublas",), ("cublas lora-first",)], ids=str)
 @pytest.mark.parametrize(
     "lora_in_is_x,need_grad_x,need_grad_lora_in",
     [(True, True, False), (False, True, True), (True, False, False), (False, True, False), (False, False, True)],

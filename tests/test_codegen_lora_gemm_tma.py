@@ -57,30 +57,6 @@ def test_grad_input_kernel(config):
     assert rel_err(grad_x, grad_y.float() @ weight.float() + grad_u.float() @ lora_a.float()) < TOL
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-@pytest.mark.parametrize("has_bias", [False, True])
-def test_forward_kernel_computing_su_in_its_main_loop(config, has_bias):
-    x, weight, lora_a, lora_b = randn(T, IN), randn(OUT, IN), randn(RANK, IN), randn(OUT, RANK)
-    bias = randn(OUT) if has_bias else None
-    y, su = nan(T, OUT), nan(T, RANK)
-    gemm = TmaLoraGemm("forward", IN, OUT, RANK, DTYPE, has_bias, fuse_u=True)
-    gemm.launch(config, a=x, weight=weight, p=lora_a, scale=0.5, u=su, q=lora_b, out=y, bias=bias)
-    expected_su = 0.5 * x.float() @ lora_a.float().t()
-    assert rel_err(su, expected_su) < TOL
-    expected = x.float() @ weight.float().t() + su.float() @ lora_b.float().t() + (bias.float() if has_bias else 0)
-    assert rel_err(y, expected) < TOL  # with the su it wrote: the saved value is the one added
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_grad_input_kernel_computing_du_in_its_main_loop(config):
-    grad_y, weight, lora_a, lora_b = randn(T, OUT), randn(OUT, IN), randn(RANK, IN), randn(OUT, RANK)
-    grad_x, grad_u = nan(T, IN), nan(T, RANK)
-    gemm = TmaLoraGemm("grad_input", IN, OUT, RANK, DTYPE, fuse_u=True)
-    gemm.launch(config, a=grad_y, weight=weight, p=lora_b, scale=0.5, u=grad_u, q=lora_a, out=grad_x)
-    assert rel_err(grad_u, 0.5 * grad_y.float() @ lora_b.float()) < TOL
-    assert rel_err(grad_x, grad_y.float() @ weight.float() + grad_u.float() @ lora_a.float()) < TOL
-
-
 def test_offered_only_where_descriptors_can_run():
     aligned = LoraGemm("forward", IN, OUT, RANK, DTYPE)
     assert lora_linear._tma_gemm(aligned, DEVICE) == TmaLoraGemm("forward", IN, OUT, RANK, DTYPE)
@@ -97,9 +73,6 @@ def test_rendered_kernel_says_what_it_computes():
     assert source.startswith(f"# loracc kernel lora_linear_grad_x_tma_{OUT}x{IN}_r{RANK}_")
     assert "dX = dY @ W + dU @ A, dU = s·dY@B computed before" in source
     assert "tl.make_tensor_descriptor" in source
-    fused = TmaLoraGemm("grad_input", IN, OUT, RANK, DTYPE, fuse_u=True).source()
-    assert fused.startswith(f"# loracc kernel lora_linear_grad_x_tma_uloop_{OUT}x{IN}_r{RANK}_")
-    assert "dU = s·dY@B in the main loop" in fused and "u_desc.store" in fused
 
 
 def test_an_input_off_16_bytes_is_copied_before_the_descriptor_reads_it():

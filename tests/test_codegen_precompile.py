@@ -150,10 +150,8 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
             offered.clear()
             op(*vals)
             jobs = lora_linear.warmups(op, vals, DEVICE)
-            def kind(gemm):
-                return "triton" if isinstance(gemm, LoraGemm) else "tma-u" if gemm.fuse_u else "tma"
-
-            assert sorted(f"{kind(job.func.__self__)} {job.args[0]}" for job in jobs) == offered[0], op.__name__
+            kind = {LoraGemm: "triton", TmaLoraGemm: "tma"}
+            assert sorted(f"{kind[type(job.func.__self__)]} {job.args[0]}" for job in jobs) == offered[0], op.__name__
         assert len(lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)) > 0
     finally:
         lora_linear.forget_plans()

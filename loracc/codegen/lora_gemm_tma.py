@@ -1,14 +1,13 @@
 """The LoRA GEMM on tensor descriptors (TMA): ``templates/lora_gemm_tma.py.jinja``.
 
-    forward      y  = x  @ Wᵀ (+ bias) + su @ Bᵀ,   su = s·x@Aᵀ  (or s·drop(x)@Aᵀ)
-    grad_input   dX = dY @ W           + dU @ A,    dU = s·dY@B
+    forward      y  = x  @ Wᵀ (+ bias) + su @ Bᵀ,   su = s·x@Aᵀ  (or s·drop(x)@Aᵀ), computed before
+    grad_input   dX = dY @ W           + dU @ A,    dU = s·dY@B, computed before
 
-A persistent kernel whose tiles come through tensor descriptors; the rank-r term comes in its
-epilogue. Two variants: ``su``/``dU`` read, computed first by cuBLAS; or (``fuse_u``) computed in
-the main loop from the tiles of ``x``/``dY`` the GEMM loads anyway (every column block of a row
-block computes it; the first writes it out), which saves a pass over ``x``/``dY`` for a rank-r
-product per k-step. Both are autotuner candidates beside the pointer-based template and cuBLAS;
-what they reached is in benchmarks/results/lora_linear_h100.md.
+A persistent kernel whose tiles come through tensor descriptors. The rank-r term comes in its
+epilogue, read from ``su``/``dU`` that a cuBLAS GEMM computed first, not from the main loop (where
+the rank-r product slowed the same kernel down on an H100). It is one of the autotuner's candidates
+beside the pointer-based template and cuBLAS; what it reached, and the experiment behind its design,
+are in benchmarks/results/lora_linear_h100.md.
 
 Device-side descriptors need scratch memory at launch: loracc gives Triton an allocator that takes
 it from PyTorch (``triton.set_allocator``) unless one is already set.
@@ -47,7 +46,6 @@ class TmaLoraGemm:
     rank: int
     dtype: torch.dtype
     has_bias: bool = False
-    fuse_u: bool = False  # su / dU computed in the main loop and written out, not read
 
     def __post_init__(self):
         assert self.use in ("forward", "grad_input") and (self.use == "forward" or not self.has_bias)
@@ -55,11 +53,9 @@ class TmaLoraGemm:
     @property
     def name(self) -> str:
         dt = DTYPE_NAMES[self.dtype]
-        fused = "_uloop" if self.fuse_u else ""
         if self.use == "forward":
-            return (f"lora_linear_fwd_tma{fused}_{self.in_features}x{self.out_features}_r{self.rank}_{dt}"
-                    + ("_bias" if self.has_bias else ""))
-        return f"lora_linear_grad_x_tma{fused}_{self.out_features}x{self.in_features}_r{self.rank}_{dt}"
+            return f"lora_linear_fwd_tma_{self.in_features}x{self.out_features}_r{self.rank}_{dt}" + ("_bias" if self.has_bias else "")
+        return f"lora_linear_grad_x_tma_{self.out_features}x{self.in_features}_r{self.rank}_{dt}"
 
     @property
     def aligned(self) -> bool:
@@ -69,49 +65,40 @@ class TmaLoraGemm:
     def source(self) -> str:
         i, o, r, dt = self.in_features, self.out_features, self.rank, DTYPE_NAMES[self.dtype]
         common = dict(name=self.name, use=self.use, R=r, R_PAD=rank_padded(r), has_bias=self.has_bias,
-                      fuse_u=self.fuse_u, precision="ieee" if self.dtype == torch.float32 else "")
-        how = "in the main loop" if self.fuse_u else "computed before"
+                      precision="ieee" if self.dtype == torch.float32 else "")
         if self.use == "forward":
             bias = " + bias" if self.has_bias else ""
             return render(
                 "lora_gemm_tma.py.jinja", **common, N=o, K=i,
-                computes=f"y = x @ Wᵀ{bias} + su @ Bᵀ, su = s·x@Aᵀ {how} (rank {r})",
+                computes=f"y = x @ Wᵀ{bias} + su @ Bᵀ, su = s·x@Aᵀ computed before (rank {r})",
                 shapes=[f"x: [M, {i}] {dt}", f"W: [{o}, {i}] {dt} (frozen)", f"su: [M, {r}] {dt}",
-                        f"B: [{o}, {r}] {dt}"] + ([f"A: [{r}, {i}] {dt}"] if self.fuse_u else [])
-                + ([f"bias: [{o}] {dt}"] if self.has_bias else []) + [f"y: [M, {o}] {dt}"],
+                        f"B: [{o}, {r}] {dt}"] + ([f"bias: [{o}] {dt}"] if self.has_bias else []) + [f"y: [M, {o}] {dt}"],
                 a_name="layer input x", w_shape=f"[{o}, {i}]", w_name="frozen weight W, read as Wᵀ",
                 u_name="scaled rank-r product su", q_shape=f"[{o}, {r}]", q_name="LoRA B, read as Bᵀ",
-                p_shape=f"[{r}, {i}]", p_name="LoRA A, read as Aᵀ",
             )
         return render(
             "lora_gemm_tma.py.jinja", **common, N=i, K=o,
-            computes=f"dX = dY @ W + dU @ A, dU = s·dY@B {how} (rank {r})",
+            computes=f"dX = dY @ W + dU @ A, dU = s·dY@B computed before (rank {r})",
             shapes=[f"dY: [M, {o}] {dt}", f"W: [{o}, {i}] {dt} (frozen)", f"dU: [M, {r}] {dt}",
-                    f"A: [{r}, {i}] {dt}"] + ([f"B: [{o}, {r}] {dt}"] if self.fuse_u else []) + [f"dX: [M, {i}] {dt}"],
+                    f"A: [{r}, {i}] {dt}", f"dX: [M, {i}] {dt}"],
             a_name="output gradient dY", w_shape=f"[{o}, {i}]", w_name="frozen weight W",
             u_name="rank-r gradient dU", q_shape=f"[{r}, {i}]", q_name="LoRA A",
-            p_shape=f"[{o}, {r}]", p_name="LoRA B",
         )
 
     def launch(self, config: Config, *, a: Tensor, weight: Tensor, u: Tensor, q: Tensor, out: Tensor,
-               bias: Tensor | None = None, p: Tensor | None = None, scale: float = 1.0):
-        """Run the kernel on ``a`` (``[M, K]``); ``u``, ``q`` (and ``p``) in the base dtype; every
-        tensor contiguous. With ``fuse_u``, ``u = scale·a@p`` is written, else read.
+               bias: Tensor | None = None):
+        """Run the kernel on ``a`` (``[M, K]``); ``u`` and ``q`` in the base dtype; every tensor contiguous.
 
         A tensor descriptor needs its base on 16 bytes: an input that starts elsewhere (a view at an
-        odd offset) is copied first; ``out`` (and a written ``u``) must start on 16 bytes.
+        odd offset) is copied first; ``out`` must start on 16 bytes.
         """
         _ensure_allocator()
-        written = (out, u) if self.fuse_u else (out,)
-        assert all(t.data_ptr() % 16 == 0 for t in written), f"{self.name}: outputs must start on 16 bytes"
+        assert out.data_ptr() % 16 == 0, f"{self.name}: the output must start on 16 bytes"
         m = a.shape[0]
         n = self.out_features if self.use == "forward" else self.in_features
         programs = min(_programs(a.device), triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n))
-        a, weight, q = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, weight, q))
-        args = dict(a_ptr=a, w_ptr=weight, u_ptr=u if self.fuse_u or u.data_ptr() % 16 == 0 else u.clone(),
-                    q_ptr=q, out_ptr=out)
-        if self.fuse_u:
-            args.update(p_ptr=p if p.data_ptr() % 16 == 0 else p.clone(), scale=scale)
+        a, weight, u, q = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, weight, u, q))
+        args = dict(a_ptr=a, w_ptr=weight, u_ptr=u, q_ptr=q, out_ptr=out)
         if self.has_bias:
             args["bias_ptr"] = bias
         self.kernel(a.device)[(max(programs, 1),)](**args, M=m, **_meta(config, a.device))
@@ -122,8 +109,6 @@ class TmaLoraGemm:
 
         base = pointer(self.dtype)
         args = dict(a_ptr=base, w_ptr=base, u_ptr=base, q_ptr=base, out_ptr=base)
-        if self.fuse_u:
-            args.update(p_ptr=base, scale=1.0)
         if self.has_bias:
             args["bias_ptr"] = base
         return self.kernel(device).warmup(**args, M=rows, **_meta(config, device), grid=(1,))

@@ -24,7 +24,6 @@ accumulation; fp32 adapters next to a bf16 base are used in bf16 and receive fp3
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Callable
@@ -142,14 +141,8 @@ def _tma_configs(tma: TmaLoraGemm | None) -> tuple:
     return lora_gemm_tma.INTERPRETER_CONFIGS if interpreting() else lora_gemm_tma.GPU_CONFIGS
 
 
-def _tma_impls(tma: TmaLoraGemm | None, run, fused_run=None) -> dict[str, Callable]:
-    """The descriptor-based candidates: ``su``/``dU`` read (``run``) and, given ``fused_run``,
-    computed in the kernel's main loop."""
-    impls = {f"tma {c}": functools.partial(run, tma, c) for c in _tma_configs(tma)}
-    if fused_run is not None and tma is not None:
-        fused = dataclasses.replace(tma, fuse_u=True)
-        impls.update({f"tma-u {c}": functools.partial(fused_run, fused, c) for c in _tma_configs(tma)})
-    return impls
+def _tma_impls(tma: TmaLoraGemm | None, run) -> dict[str, Callable]:
+    return {f"tma {c}": functools.partial(run, tma, c) for c in _tma_configs(tma)}
 
 
 def warmups(op, vals: list, device: torch.device) -> list[Callable]:
@@ -163,9 +156,8 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
         gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
     rows = vals[0].numel() // vals[0].shape[-1]
     tma = _tma_gemm(gemm, device)
-    tmas = [tma] + ([dataclasses.replace(tma, fuse_u=True)] if tma is not None and gemm.lora_in != "loaded" else [])
     return ([functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
-            + [functools.partial(t.warmup, c, rows, device) for t in tmas for c in _tma_configs(tma)])
+            + [functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)])
 
 
 # Forward --------------------------------------------------------------------------------------
@@ -181,8 +173,7 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     impl = _plans.get(key)
     if impl is None:
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
-        impls = {**_template_impls(gemm, _forward_template),
-                 **_tma_impls(_tma_gemm(gemm, x.device), _forward_tma, _forward_tma_u if lora_x is None else None),
+        impls = {**_template_impls(gemm, _forward_template), **_tma_impls(_tma_gemm(gemm, x.device), _forward_tma),
                  "cublas": _forward_cublas, "cublas lora-first": _forward_cublas_lora_first}
         impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
     y, su = impl(*args)
@@ -217,15 +208,6 @@ def _forward_tma(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
     su = _scaled_u(x2, lin2, lora_a, scale)
     y = x2.new_empty(x2.shape[0], tma.out_features)
     tma.launch(config, a=x2, weight=weight.contiguous(), u=su, q=lora_b.to(x2.dtype).contiguous(), out=y, bias=bias)
-    return y, su
-
-
-def _forward_tma_u(tma, config, x2, lin2, weight, bias, lora_a, lora_b, scale):
-    """The descriptor-based GEMM computing ``su = s·x@Aᵀ`` in its main loop (no dropout: it reads ``x``)."""
-    su = x2.new_empty(x2.shape[0], tma.rank)
-    y = x2.new_empty(x2.shape[0], tma.out_features)
-    tma.launch(config, a=x2, weight=weight.contiguous(), p=lora_a.to(x2.dtype).contiguous(), scale=scale, u=su,
-               q=lora_b.to(x2.dtype).contiguous(), out=y, bias=bias)
     return y, su
 
 
@@ -291,8 +273,8 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
                  "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
         gemm = _grad_input_gemm(gy2.dtype, weight, lora_a, flags)
         if gemm is not None:
-            impls = {**_template_impls(gemm, _grad_input_template),
-                     **_tma_impls(_tma_gemm(gemm, gy2.device), _grad_input_tma, _grad_input_tma_u), **impls}
+            impls = {**_template_impls(gemm, _grad_input_template), **_tma_impls(_tma_gemm(gemm, gy2.device), _grad_input_tma),
+                     **impls}
             name = gemm.name
         else:
             name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}_{flags}"
@@ -325,15 +307,6 @@ def _grad_input_tma(tma, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
     grad_u = _scaled_mm(gy2, b_c, scale)
     grad_x = gy2.new_empty(gy2.shape[0], tma.in_features)
     tma.launch(config, a=gy2, weight=weight.contiguous(), u=grad_u, q=a_c.contiguous(), out=grad_x)
-    return grad_u, grad_x, None
-
-
-def _grad_input_tma_u(tma, config, gy2, weight, lora_a, lora_b, a_c, b_c, scale):
-    """The descriptor-based GEMM computing ``dU = s·dY@B`` in its main loop."""
-    grad_u = gy2.new_empty(gy2.shape[0], tma.rank)
-    grad_x = gy2.new_empty(gy2.shape[0], tma.in_features)
-    tma.launch(config, a=gy2, weight=weight.contiguous(), p=b_c.contiguous(), scale=scale, u=grad_u,
-               q=a_c.contiguous(), out=grad_x)
     return grad_u, grad_x, None
 
 
