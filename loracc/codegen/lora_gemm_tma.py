@@ -25,10 +25,11 @@ from .render import render
 
 Tensor = torch.Tensor
 
-# The tile that was fastest for both uses at every shape it was timed at on an H100 (2026-11-23:
-# the six of ANCHORS and every LoRA layer of Qwen2-0.5B and Llama-3.2-1B, timed replayed as CUDA
-# graphs, benchmarks/results/autotune_choices_h100_2026-11-23.json); a narrower 128x128 tile came
-# second or later at all of them and is no longer compiled.
+# The tile that was fastest for both uses at every shape it was timed at on an H100 (2026-11-23,
+# replayed as CUDA graphs: every LoRA layer of Qwen2-0.5B and Llama-3.2-1B,
+# benchmarks/results/autotune_choices_h100_2026-11-23.json, and the six of ANCHORS,
+# lora_linear_h100.json); a narrower 128x128 tile came second or later at all of them and is no
+# longer compiled.
 GPU_CONFIGS = (Config(128, 256, 64, 8, 8, 3),)
 # Under the interpreter: tiles that divide none of the test sizes, few "multiprocessors", so that
 # each program walks several tiles.
