@@ -96,7 +96,8 @@ def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
 
     It captures on PyTorch's one capture stream, which loracc's own graphs use too: cuBLAS keeps a
     workspace for every stream it runs on (a new stream per capture held ~1.4 GiB more on
-    Llama-3.2-1B). ``torch.cuda.graph`` is not used: it collects garbage and empties the allocator's
+    Llama-3.2-1B: H100, 2026-11-23, benchmarks/results/bench-2026-11-23-h100-graph-timed-streams.json
+    against -graph-timed.json). ``torch.cuda.graph`` is not used: it collects garbage and empties the allocator's
     cache before every capture, work repeated for every candidate of a first step.
     """
     if torch.cuda.is_current_stream_capturing():
