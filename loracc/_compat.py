@@ -15,6 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 tree_flatten = pytree.tree_flatten
 tree_unflatten = pytree.tree_unflatten
+treespec_dumps = pytree.treespec_dumps
+treespec_loads = pytree.treespec_loads
 
 
 def trace(fn, example_inputs, decompositions: dict | None = None):
@@ -27,6 +29,24 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
     with _without_saved_tensors_hooks(), _preserve_meta(), _use_lazy_graph_module(True):
         return traced(*example_inputs)
+
+
+def fake_mode():
+    """A fresh fake-tensor mode (static shapes), for values rebuilt from their descriptions."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def fake_tensor(mode, shape, stride, offset: int, dtype: torch.dtype, device: torch.device, requires_grad: bool):
+    """A fake tensor of ``mode`` with this layout, made from a meta tensor (nothing allocated, and
+    without dispatching through the fake mode: a fifth of the time)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride)) if all(shape) else 0
+    meta = torch.empty_strided((offset + span,), (1,), dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    t = FakeTensor(mode, meta, device)
+    return t.requires_grad_(True) if requires_grad else t
 
 
 def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:

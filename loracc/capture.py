@@ -11,6 +11,7 @@ is loracc's own backward op by construction; LayerNorm is differentiated as its 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,8 @@ from .errors import Unsupported
 from .graph import info, output_node, param_role, placeholders
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+# Attributes that differ between otherwise identical layers without changing their training graph.
+LAYER_ATTRIBUTES_IGNORED = {"layer_idx"}
 
 
 @dataclass
@@ -57,6 +60,45 @@ def call_signature(args: tuple, kwargs: dict) -> CallSignature:
         else:
             raise Unsupported(f"argument {i} is a {type(leaf).__name__}, which loracc cannot specialise on")
     return CallSignature(key=(str(spec), tuple(key)), tensors=tensors, spec=spec, leaves=leaves)
+
+
+def plain_value(value, index: int = -1):
+    """A hashable copy of a plain Python value; a layer's own index in path strings reads '#'."""
+    if isinstance(value, str):
+        return re.sub(rf"(?<=\.){index}(?=\.|$)", "#", value)
+    if isinstance(value, (bool, int, float, type(None))):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [plain_value(v, index) for v in value]
+        return NOT_PLAIN if any(i is NOT_PLAIN for i in items) else tuple(items)
+    if isinstance(value, dict):
+        items = {k: plain_value(v, index) for k, v in value.items()}
+        return NOT_PLAIN if any(i is NOT_PLAIN for i in items.values()) else tuple(sorted(items.items(), key=str))
+    return NOT_PLAIN
+
+
+NOT_PLAIN = object()
+
+
+def module_fingerprint(layer: nn.Module, index: int = -1) -> tuple:
+    """A module's structure as plain values: every submodule's path, class and public plain attributes
+    (flags, sizes, scalings; ``index`` read as '#' in path strings), and its tensors' shapes, dtypes and
+    whether they need gradients. Layers with equal fingerprints share one traced graph."""
+    parts = []
+    for name, m in layer.named_modules():
+        attrs = []
+        for key, value in vars(m).items():
+            if key.startswith("_") or key in LAYER_ATTRIBUTES_IGNORED:
+                continue
+            plain = plain_value(value, index)
+            if plain is not NOT_PLAIN:
+                attrs.append((key, plain))
+        parts.append((name, type(m).__qualname__, tuple(sorted(attrs, key=str))))
+    tensors = tuple(
+        (n, tuple(t.shape), t.dtype, t.requires_grad)
+        for n, t in list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers())
+    )
+    return tuple(parts), tensors
 
 
 @dataclass

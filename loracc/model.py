@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -24,14 +23,13 @@ import torch
 from torch import nn
 
 from . import cross_entropy
+from .capture import module_fingerprint
 from .codegen import get_backend
 from .errors import LoraccError
 from .graph import param_role
 from .runtime import Region
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Attributes that differ between otherwise identical layers without changing their training graph.
-LAYER_ATTRIBUTES_IGNORED = {"layer_idx"}
 
 
 @dataclass
@@ -308,43 +306,8 @@ def _find_block_lists(model: nn.Module):
 def _group_layers(layers):
     groups: dict = {}
     for index, layer in layers:
-        groups.setdefault(_fingerprint(layer, index), []).append((index, layer))
+        groups.setdefault(module_fingerprint(layer, index), []).append((index, layer))
     return list(groups.values())
-
-
-def _plain(value, index: int):
-    """A hashable copy of a plain Python value; a layer's own index in path strings reads '#'."""
-    if isinstance(value, str):
-        return re.sub(rf"(?<=\.){index}(?=\.|$)", "#", value)
-    if isinstance(value, (bool, int, float, type(None))):
-        return value
-    if isinstance(value, (tuple, list)):
-        items = [_plain(v, index) for v in value]
-        return _NOT_PLAIN if any(i is _NOT_PLAIN for i in items) else tuple(items)
-    if isinstance(value, dict):
-        items = {k: _plain(v, index) for k, v in value.items()}
-        return _NOT_PLAIN if any(i is _NOT_PLAIN for i in items.values()) else tuple(sorted(items.items(), key=str))
-    return _NOT_PLAIN
-
-
-_NOT_PLAIN = object()
-
-
-def _fingerprint(layer: nn.Module, index: int) -> tuple:
-    """Everything of a layer that its traced graph depends on, except the tensors' values."""
-    parts = []
-    for name, m in layer.named_modules():
-        attrs = []
-        for key, value in vars(m).items():
-            plain = _plain(value, index)
-            if not key.startswith("_") and key not in LAYER_ATTRIBUTES_IGNORED and plain is not _NOT_PLAIN:
-                attrs.append((key, plain))
-        parts.append((name, type(m).__qualname__, tuple(sorted(attrs, key=str))))
-    tensors = tuple(
-        (n, tuple(t.shape), t.dtype, t.requires_grad)
-        for n, t in list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers())
-    )
-    return tuple(parts), tensors
 
 
 def _patch_use_cache(state: CompiledState, owner: nn.Module) -> None:

@@ -1,5 +1,7 @@
 """The pipeline for one region call: capture → forward passes → joint → remat → partition → fusion → memory plan → codegen.
 
+The stages up to the joint come from ``trace_cache`` when an earlier process traced the same call.
+
 ``compile_call`` returns a ``Program``: the two callables the runtime runs, plus every stage's graph
 and every pass's report, for ``loracc dump`` and ``loracc.explain``.
 """
@@ -16,6 +18,7 @@ from .capture import CallSignature, CapturedForward, capture_forward, derive_joi
 from .graph import copy_graph, output_node, placeholders, role
 from .passes import FORWARD_PASSES, fusion, memory_plan, partition, remat
 from .passes.memory_plan import RegionMemory, step_peak_bytes, value_bytes
+from .trace_cache import Traced, cached_trace
 
 
 @dataclass
@@ -43,21 +46,13 @@ def compile_call(
     the rest of the step holds meanwhile), see ``passes.remat``.
     """
     start = time.perf_counter()
-    stages, reports = {}, {}
-    captured = capture_forward(module, path, signature)
-    gm = captured.gm
-    stages["captured"] = gm
-    # A pass rewrites the graph it is given: each runs on a copy, so that every stage stays as it was.
-    for pass_ in FORWARD_PASSES:
-        result = pass_(copy_graph(gm))
-        gm = result.gm
-        stages[pass_.__name__] = gm
-        reports[pass_.__name__] = result.report
-
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
-    n_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
-    stages["joint"] = derive_joint(gm, needs_grad)
+    traced, cache_report = cached_trace(module, path, signature, lambda: trace(module, path, signature, needs_grad))
+    captured, stages, reports = traced.captured, dict(traced.stages), dict(traced.reports)
+    reports["trace_cache"] = cache_report
+    out_vals = [o.meta["val"] for o in output_node(stages["captured"]).args[0]]
+    n_outputs = len(out_vals)
     joint = copy_graph(stages["joint"])  # remat marks its cut on the copy; partition reads it
     reports["remat"] = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes).report
     stages["remat"] = joint
@@ -77,7 +72,6 @@ def compile_call(
     reports["fusion"] = fused
     reports["memory_plan"] = memory
 
-    out_vals = [o.meta["val"] for o in gm.graph.find_nodes(op="output")[0].args[0]]
     # A layer's parameters are the same tensors at every call, and so is what its forward saves
     # (replayed as CUDA graphs: read in place, see cuda_graphs).
     n_saved = len(output_node(parts.forward).args[0]) - n_outputs
@@ -94,6 +88,21 @@ def compile_call(
         reports=reports,
         compile_seconds=time.perf_counter() - start,
     )
+
+
+def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: list[bool]) -> Traced:
+    """Capture the call, run the forward passes, derive the joint graph (what ``trace_cache`` keeps)."""
+    captured = capture_forward(module, path, signature)
+    gm = captured.gm
+    stages, reports = {"captured": gm}, {}
+    # A pass rewrites the graph it is given: each runs on a copy, so that every stage stays as it was.
+    for pass_ in FORWARD_PASSES:
+        result = pass_(copy_graph(gm))
+        gm = result.gm
+        stages[pass_.__name__] = gm
+        reports[pass_.__name__] = result.report
+    stages["joint"] = derive_joint(gm, needs_grad)
+    return Traced(captured, stages, reports)
 
 
 def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:

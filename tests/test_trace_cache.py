@@ -1,0 +1,201 @@
+"""The trace cache: a later compile of the same call reads the traced graphs back instead of tracing,
+and trains exactly as the traced graphs do; anything the trace depended on that changes (an
+attribute, a patched function or method, the code) traces again; a damaged entry is traced again."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+
+import loracc
+from loracc import presets, trace_cache
+from loracc.capture import CapturedForward
+from loracc.trace_cache import Traced, Uncacheable
+
+REPO = Path(__file__).resolve().parent.parent
+modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LORACC_TRACE_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+def step(modify=None, **overrides):
+    """One training step of the tiny Llama preset (``modify`` applied to it) under loracc (eager
+    backend): the loss, the LoRA gradients, and each program's trace-cache report and stages."""
+    model, batch = presets.preset("llama", **overrides)
+    if modify is not None:
+        modify(model)
+    with torch.no_grad():  # LoRA B starts at zero: give it values, so that every gradient is nonzero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    reference = model(**batch).loss.item()
+    loracc.compile(model, backend="eager")
+    loss = model(**batch).loss
+    loss.backward()
+    programs = [p for r in model._loracc.regions for p in r.programs.values()]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"loss": loss.item(), "reference": reference, "grads": grads,
+            "reports": [p.reports["trace_cache"] for p in programs], "stages": [p.stages for p in programs]}
+
+
+def test_second_compile_reads_the_graphs_back_and_trains_the_same(cache_dir):
+    cold = step()
+    assert [r["hit"] for r in cold["reports"]] == [False, False, False]  # layer 0, the other layers, the head
+    assert len(list((cache_dir / "graphs").glob("*.json"))) == 3
+    warm = step()
+    assert [r["hit"] for r in warm["reports"]] == [True, True, True]
+    assert warm["loss"] == cold["loss"] and abs(warm["loss"] - warm["reference"]) <= 1e-4 * abs(warm["reference"])
+    for name, grad in cold["grads"].items():
+        assert grad.abs().sum() > 0 and torch.equal(warm["grads"][name], grad), name
+    for cold_stages, warm_stages in zip(cold["stages"], warm["stages"]):
+        assert list(warm_stages) == list(cold_stages)
+        for name in cold_stages:
+            assert warm_stages[name].code == cold_stages[name].code, name
+            for a, b in zip(cold_stages[name].graph.nodes, warm_stages[name].graph.nodes):
+                assert _described(a) == _described(b), (name, a.name)
+
+
+def _described(node: fx.Node):
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    layout = [(v.shape, v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+              if isinstance(v, torch.Tensor) else v for v in vals]
+    return node.name, node.meta.get("loracc"), node.meta.get("custom"), layout
+
+
+def test_a_changed_attribute_traces_again(cache_dir):
+    step()
+    changed = step(alpha=3.0)  # another LoRA scaling: a plain attribute of the LoRA layers
+    assert [r["hit"] for r in changed["reports"]] == [False, False, True]  # the head has no LoRA layer
+    assert abs(changed["loss"] - changed["reference"]) <= 1e-4 * abs(changed["reference"])
+
+
+def test_a_function_patched_into_the_model_module_traces_again(cache_dir, monkeypatch):
+    plain = step()
+    original = modeling_llama.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb",
+                        lambda q, k, cos, sin, *args, **kwargs: original(8 * q, k, cos, -sin, *args, **kwargs))
+    patched = step()
+    # The head's final norm is defined in that module too: its entry is not used either.
+    assert [r["hit"] for r in patched["reports"]] == [False, False, False]
+    assert abs(patched["loss"] - patched["reference"]) <= 1e-6 * abs(patched["reference"])
+    assert abs(patched["loss"] - plain["loss"]) > 1e-4
+
+
+def test_a_patched_method_traces_again(cache_dir, monkeypatch):
+    plain = step()
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: 2 * original(self, x))
+    patched = step()
+    assert [r["hit"] for r in patched["reports"]] == [False, False, True]
+    assert abs(patched["loss"] - patched["reference"]) <= 1e-6 * abs(patched["reference"])
+    assert abs(patched["loss"] - plain["loss"]) > 1e-4
+
+
+def test_a_damaged_entry_is_traced_again_and_rewritten(cache_dir):
+    cold = step()
+    for entry in (cache_dir / "graphs").glob("*.json"):
+        text = entry.read_text()
+        entry.write_text(text[: len(text) // 2])
+    again = step()
+    assert [r["hit"] for r in again["reports"]] == [False, False, False]
+    assert again["loss"] == cold["loss"]
+    for entry in (cache_dir / "graphs").glob("*.json"):
+        json.loads(entry.read_text())
+    assert [r["hit"] for r in step()["reports"]] == [True, True, True]
+
+
+def test_an_entry_of_another_format_is_traced_again(cache_dir):
+    step()
+    for entry in (cache_dir / "graphs").glob("*.json"):
+        data = json.loads(entry.read_text())
+        entry.write_text(json.dumps({**data, "format": trace_cache.FORMAT + 1}))
+    assert [r["hit"] for r in step()["reports"]] == [False, False, False]
+
+
+def test_off_when_the_environment_says_so(cache_dir, monkeypatch):
+    monkeypatch.setenv("LORACC_TRACE_CACHE", "0")
+    result = step()
+    assert {r["why"] for r in result["reports"]} == {"LORACC_TRACE_CACHE=0"}
+    assert not (cache_dir / "graphs").exists()
+
+
+def test_a_second_process_reads_what_the_first_wrote(cache_dir):
+    """Another process, with another string hash seed: the key is the same."""
+    code = textwrap.dedent("""
+        import loracc
+        from loracc import presets
+        model, batch = presets.preset("llama")
+        loracc.compile(model, backend="eager")
+        model(**batch).loss.backward()
+        print([p.reports["trace_cache"]["hit"] for r in model._loracc.regions for p in r.programs.values()])
+    """)
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "LORACC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO), "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout.strip().splitlines()[-1])
+    assert outputs == ["[False, False, False]", "[True, True, True]"]
+
+
+@pytest.mark.parametrize("value", [
+    None, True, 0, -3, 2.5, -0.0, float("inf"), float("-inf"), "x", [1, 2], (1, (2, [3])), {"a": (1,)},
+    torch.bfloat16, torch.int64, torch.device("cpu"), torch.device("cuda", 1), torch.contiguous_format,
+    torch.channels_last, torch.strided, slice(1, None, 2),
+])
+def test_argument_values_read_back_as_they_were(value):
+    back = trace_cache._load_value(json.loads(json.dumps(trace_cache._value(value))), trace_cache._FakeValues())
+    assert back == value and type(back) is type(value)
+    if isinstance(value, float):
+        assert repr(back) == repr(value)
+
+
+def test_tensor_values_read_back_as_fake_tensors_of_the_same_layout():
+    real = torch.empty(5, 7, dtype=torch.bfloat16)[1:, ::2]
+    back = trace_cache._load_value(json.loads(json.dumps(trace_cache._value(real))), trace_cache._FakeValues())
+    assert type(back).__name__ == "FakeTensor"
+    assert (back.shape, back.stride(), back.storage_offset(), back.dtype, back.device) == (
+        real.shape, real.stride(), real.storage_offset(), real.dtype, real.device)
+
+
+def test_a_graph_with_a_constant_tensor_is_not_cached():
+    gm = loracc._compat.trace(lambda x: x + torch.tensor([1.0, 2.0]), [torch.randn(2)])
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    traced = Traced(CapturedForward(gm=gm, param_names=[], out_spec=loracc._compat.tree_flatten([0])[1]), {"captured": gm}, {})
+    with pytest.raises(Uncacheable, match="get_attr"):
+        trace_cache.encode(traced)
+
+
+def test_an_attribute_without_a_stable_description_is_not_cached(cache_dir):
+    """An attribute whose description holds an address would key every process differently: the
+    region is traced every time, and its report says why."""
+    class Options:
+        def to_dict(self):
+            return {"callback": print_options}
+
+    def modify(model):
+        for layer in model.base_model.model.model.layers:
+            layer.self_attn.options = Options()
+
+    for _ in range(2):
+        result = step(modify)
+        assert [r["hit"] for r in result["reports"]] == [False, False, result["reports"][2]["hit"]]
+        assert all("no stable description" in r["why"] for r in result["reports"][:2])
+        assert abs(result["loss"] - result["reference"]) <= 1e-6 * abs(result["reference"])
+
+
+def print_options():
+    pass
