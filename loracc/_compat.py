@@ -38,15 +38,26 @@ def fake_mode():
     return FakeTensorMode()
 
 
-def fake_tensor(mode, shape, stride, offset: int, dtype: torch.dtype, device: torch.device, requires_grad: bool):
-    """A fake tensor of ``mode`` with this layout, made from a meta tensor (nothing allocated, and
+def meta_storage(nbytes: int):
+    """An untyped storage of ``nbytes`` on the meta device (nothing allocated)."""
+    return torch.UntypedStorage(nbytes, device="meta")
+
+
+def fake_tensor(mode, storage, shape, stride, offset: int, dtype: torch.dtype, device: torch.device, requires_grad: bool):
+    """A fake tensor of ``mode`` on ``device``: a view of the meta ``storage`` with this layout (made
     without dispatching through the fake mode: a fifth of the time)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride)) if all(shape) else 0
-    meta = torch.empty_strided((offset + span,), (1,), dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    meta = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
     t = FakeTensor(mode, meta, device)
     return t.requires_grad_(True) if requires_grad else t
+
+
+def storage_ref(t: torch.Tensor):
+    """A hashable reference to ``t``'s storage: equal for tensors that share it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:

@@ -15,10 +15,10 @@ An entry is used only when everything its trace depended on is as it was (``trac
 - the module tree: each submodule's class and public plain attributes (``module_fingerprint``),
   and of other attribute values, configurations as their ``to_dict()`` and anything else by type;
 - the code: every function the module tree's classes define (by their bytecode), the globals of the
-  Python modules they are defined in (a function replaced there at run time changes the key), and
-  every ``.py`` file of loracc and of the packages those classes come from (transformers, peft, a
-  user's own package or script) by path, size and modification time; the Python, torch,
-  transformers and peft versions.
+  Python modules they are defined in (a function replaced there at run time changes the key); the
+  Python, torch, transformers and peft versions. And, checked when the entry is read: the size and
+  modification time of the source file of every module of loracc, transformers, peft and the
+  classes' own packages (a user's package or script) that was loaded when the entry was written.
 
 Code that none of these reaches (a function patched into some other module at run time,
 environment variables the model's code reads while tracing) is not seen: set
@@ -29,7 +29,6 @@ one that cannot be read back is traced again and rewritten.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import json
@@ -38,7 +37,6 @@ import os
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -51,8 +49,7 @@ from .codegen.cache import atomic_write, cache_dir, read_json
 
 log = logging.getLogger("loracc")
 
-FORMAT = 1
-LORACC_ROOT = Path(__file__).resolve().parent
+FORMAT = 2
 
 
 @dataclass
@@ -75,18 +72,24 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
     if os.environ.get("LORACC_TRACE_CACHE", "1") == "0":
         return trace(), {"hit": False, "why": "LORACC_TRACE_CACHE=0"}
     try:
+        packages = _packages(module)
         entry = cache_dir() / "graphs" / f"{trace_key(module, path, signature)}.json"
     except Uncacheable as exc:
         return trace(), {"hit": False, "why": str(exc)}
     data = read_json(entry)
     if data is not None:
         try:
-            return decode(data), {"hit": True, "entry": str(entry)}
+            changed = _changed_file(data["files"])
+            if changed is None:
+                return decode(data), {"hit": True, "entry": str(entry)}
+            log.info("loracc: %s changed since the trace in %s; tracing again", changed, entry)
         except Exception as exc:  # noqa: BLE001 - an entry that does not read back is traced again
             log.info("loracc: trace cache entry %s is unreadable (%s: %s); tracing again", entry, type(exc).__name__, exc)
     traced = trace()
     try:
-        atomic_write(entry, json.dumps(encode(traced)))
+        data = encode(traced)
+        data["files"] = _loaded_files(packages)  # after the trace: what it imported is in
+        atomic_write(entry, json.dumps(data))
     except Uncacheable as exc:
         return traced, {"hit": False, "why": str(exc)}
     except OSError as exc:
@@ -144,16 +147,21 @@ def _describe(value):
     return type(value).__module__, type(value).__qualname__
 
 
-def _code_identity(module: nn.Module) -> list:
-    """The classes of the module tree (their own functions), the globals of the Python modules
-    defining them, and the stamps of the packages they come from, loracc's included."""
+def _classes(module: nn.Module) -> list[type]:
+    """The classes of the module tree and their bases, torch's own left out (its version says)."""
     classes = {}
     for m in module.modules():
         for cls in type(m).__mro__:
             if cls.__module__.split(".")[0] not in ("torch", "builtins"):
                 classes[cls] = None
+    return list(classes)
+
+
+def _code_identity(module: nn.Module) -> list:
+    """The functions each class of the module tree defines, and the globals of the Python modules
+    defining them."""
     identity, modules = [], {}
-    for cls in classes:
+    for cls in _classes(module):
         functions = []
         for name, attr in sorted(vars(cls).items()):
             attr = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
@@ -163,10 +171,6 @@ def _code_identity(module: nn.Module) -> list:
         modules[cls.__module__] = sys.modules.get(cls.__module__)
     for name in sorted(modules):
         identity.append((name, _globals_identity(modules[name])))
-    packages = {name.split(".")[0] for name in modules} | {"transformers", "peft"} & set(sys.modules)
-    identity.append(("loracc", _files_stamp(LORACC_ROOT)))
-    for package in sorted(packages):
-        identity.append((package, _files_stamp(_package_root(package))))
     return identity
 
 
@@ -208,33 +212,49 @@ def _globals_identity(mod: types.ModuleType | None) -> list:
     return found
 
 
-def _package_root(package: str) -> Path:
-    mod = sys.modules.get(package)
-    file = getattr(mod, "__file__", None)
-    if file is None:
-        raise Uncacheable(f"module {package!r} has no source file (defined interactively?)")
-    path = Path(file).resolve()
-    return path.parent if path.name == "__init__.py" else path
+def _packages(module: nn.Module) -> set[str]:
+    """The top-level packages whose files a trace of ``module`` runs: loracc, transformers and
+    peft where loaded, and those of the module tree's classes (a script's classes: ``__main__``)."""
+    packages = {"loracc"} | ({"transformers", "peft"} & set(sys.modules))
+    for cls in _classes(module):
+        if getattr(sys.modules.get(cls.__module__), "__file__", None) is None:
+            raise Uncacheable(f"{cls.__qualname__} is defined in {cls.__module__}, which has no source file")
+        packages.add(cls.__module__.split(".")[0])
+    return packages
 
 
-@functools.cache
-def _files_stamp(root: Path) -> str:
-    """Path, size and modification time of every .py file under ``root`` (or of the file ``root``)."""
-    files = [root] if root.is_file() else sorted(
-        Path(folder, name) for folder, dirs, names in os.walk(root) if "__pycache__" not in folder
-        for name in names if name.endswith(".py"))
-    digest = hashlib.sha256()
-    for file in files:
-        stat = file.stat()
-        digest.update(f"{file.relative_to(root) if file != root else file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
+def _loaded_files(packages: set[str]) -> dict[str, list[int]]:
+    """Size and modification time of the source file of every loaded module of ``packages``."""
+    files = {}
+    for name, mod in list(sys.modules.items()):
+        file = getattr(mod, "__file__", None)
+        if file and name.split(".")[0] in packages:
+            stat = os.stat(file)
+            files[os.path.abspath(file)] = [stat.st_size, stat.st_mtime_ns]
+    return files
+
+
+def _changed_file(files: dict) -> str | None:
+    """The first of ``files`` (as ``_loaded_files`` wrote them) that differs now, or None."""
+    for file, stamp in files.items():
+        try:
+            stat = os.stat(file)
+        except OSError:
+            return file
+        if [stat.st_size, stat.st_mtime_ns] != stamp:
+            return file
+    return None
 
 
 # --- the entry -------------------------------------------------------------------------------
 
 def encode(traced: Traced) -> dict:
-    """``traced`` as JSON-ready data; ``Uncacheable`` if it holds what the format cannot say."""
-    captured = traced.captured
+    """``traced`` as JSON-ready data; ``Uncacheable`` if it holds what the format cannot say.
+
+    Values are kept as a table of tensors (layout, dtype, device, storage), so that the values
+    read back are the same objects where they were (an output that is an input passed through)
+    and share storage where they did (views)."""
+    captured, values = traced.captured, _Values()
     try:
         out_spec = _compat.treespec_dumps(captured.out_spec)
     except Exception as exc:  # noqa: BLE001 - an output type pytree cannot serialize
@@ -243,67 +263,51 @@ def encode(traced: Traced) -> dict:
         "format": FORMAT,
         "param_names": captured.param_names,
         "out_spec": out_spec,
-        "out_leaves": [{"$": "output tensor"} if isinstance(leaf, torch.Tensor) else _value(leaf) for leaf in captured.out_leaves],
-        "stages": {name: _graph(gm) for name, gm in traced.stages.items()},
-        "reports": _value(traced.reports),
+        "out_leaves": values.encode(captured.out_leaves),
+        "stages": {name: _graph(gm, values) for name, gm in traced.stages.items()},
+        "reports": values.encode(traced.reports),
     }
-    return data
+    return {**data, "tensors": values.tensors, "storages": values.storages}
 
 
 def decode(data: dict) -> Traced:
     """The ``Traced`` an entry holds, its values rebuilt as fake tensors of one fake mode."""
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-    mode = _FakeValues()
-    stages = {name: _load_graph(graph, mode) for name, graph in data["stages"].items()}
-    outputs = (n.meta.get("val") for n in stages["captured"].graph.find_nodes(op="output")[0].args[0])
-    leaves = [next(outputs) if leaf == {"$": "output tensor"} else _load_value(leaf, mode) for leaf in data["out_leaves"]]
+    values = _FakeValues(data["tensors"], data["storages"])
+    stages = {name: _load_graph(graph, values) for name, graph in data["stages"].items()}
     captured = CapturedForward(gm=stages["captured"], param_names=list(data["param_names"]),
-                               out_spec=_compat.treespec_loads(data["out_spec"]), out_leaves=leaves)
-    return Traced(captured=captured, stages=stages, reports=_load_value(data["reports"], mode))
+                               out_spec=_compat.treespec_loads(data["out_spec"]),
+                               out_leaves=values.decode(data["out_leaves"]))
+    return Traced(captured=captured, stages=stages, reports=values.decode(data["reports"]))
 
 
-class _FakeValues:
-    """Fake tensors rebuilt from their descriptions, in one fake mode; one tensor per description."""
-
-    def __init__(self):
-        self.mode = _compat.fake_mode()
-        self.made = {}
-
-    def tensor(self, data: dict) -> torch.Tensor:
-        key = json.dumps(data, sort_keys=True)
-        if key not in self.made:
-            self.made[key] = _compat.fake_tensor(self.mode, data["shape"], data["stride"], data["offset"],
-                                                 getattr(torch, data["dtype"]), torch.device(data["device"]), data["grad"])
-        return self.made[key]
-
-
-def _graph(gm: fx.GraphModule) -> dict:
+def _graph(gm: fx.GraphModule, values: _Values) -> dict:
     nodes = []
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function", "output"):
             raise Uncacheable(f"node {node.name} is a {node.op} (a constant or a module call)")
-        record = {"op": node.op, "name": node.name, "target": _target(node), "args": _value(node.args),
-                  "kwargs": _value(node.kwargs)}
+        record = {"op": node.op, "name": node.name, "target": _target(node), "args": values.encode(node.args),
+                  "kwargs": values.encode(node.kwargs)}
         for key in ("val", "loracc", "custom"):
             if key in node.meta:
-                record[key] = _value(node.meta[key])
+                record[key] = values.encode(node.meta[key])
         nodes.append(record)
     return {"class": type(gm).__name__, "nodes": nodes}
 
 
-def _load_graph(data: dict, mode: _FakeValues) -> fx.GraphModule:
+def _load_graph(data: dict, values: _FakeValues) -> fx.GraphModule:
     graph, env = fx.Graph(), {}
     for record in data["nodes"]:
         op = record["op"]
         target = _load_target(record["target"]) if op == "call_function" else record["target"]
-        node = graph.create_node(op, target, _load_value(record["args"], mode, env), _load_value(record["kwargs"], mode, env),
+        node = graph.create_node(op, target, values.decode(record["args"], env), values.decode(record["kwargs"], env),
                                  name=record["name"])
         if node.name != record["name"]:
             raise ValueError(f"node {record['name']} came back as {node.name}")
         for key in ("val", "loracc", "custom"):
             if key in record:
-                node.meta[key] = _load_value(record[key], mode)
+                node.meta[key] = values.decode(record[key])
         env[node.name] = node
     return _compat.lazy_graph_module(nn.Module(), graph, class_name=data["class"])
 
@@ -335,52 +339,88 @@ def _load_target(data: dict):
     return value
 
 
-def _value(value):
-    """A node argument, fake value, annotation or report as JSON-ready data (tagged where JSON has no type)."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else {"$": "float", "v": repr(value)}
-    if isinstance(value, fx.Node):
-        return {"$": "node", "v": value.name}
-    if isinstance(value, torch.Tensor):
-        return {"$": "tensor", "shape": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset(),
-                "dtype": str(value.dtype).removeprefix("torch."), "device": str(value.device), "grad": value.requires_grad}
-    if isinstance(value, list):
-        return [_value(v) for v in value]
-    if isinstance(value, tuple):
-        return {"$": "tuple", "v": [_value(v) for v in value]}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"$": "dict", "v": {k: _value(v) for k, v in value.items()}}
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-        return {"$": type(value).__name__, "v": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"$": "device", "v": str(value)}
-    if isinstance(value, slice):
-        return {"$": "slice", "v": [_value(value.start), _value(value.stop), _value(value.step)]}
-    raise Uncacheable(f"a {type(value).__name__} in the graph ({value!r:.60}) has no cache format")
+class _Values:
+    """Encodes node arguments, fake values, annotations and reports as JSON-ready data, tagged
+    where JSON has no type; tensors go into a table, each object once, with its storage's number."""
+
+    def __init__(self):
+        self.tensors: list[list] = []
+        self.storages: list[int] = []  # bytes of each storage
+        self._tensor_ids: dict[int, int] = {}
+        self._storage_ids: dict = {}
+
+    def encode(self, value):
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return value if value == value and abs(value) != float("inf") else {"$": "float", "v": repr(value)}
+        if isinstance(value, fx.Node):
+            return {"$": "node", "v": value.name}
+        if isinstance(value, torch.Tensor):
+            return {"$": "tensor", "v": self._tensor(value)}
+        if isinstance(value, list):
+            return [self.encode(v) for v in value]
+        if isinstance(value, tuple):
+            return {"$": "tuple", "v": [self.encode(v) for v in value]}
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {"$": "dict", "v": {k: self.encode(v) for k, v in value.items()}}
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return {"$": type(value).__name__, "v": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"$": "device", "v": str(value)}
+        if isinstance(value, slice):
+            return {"$": "slice", "v": [self.encode(value.start), self.encode(value.stop), self.encode(value.step)]}
+        raise Uncacheable(f"a {type(value).__name__} in the graph ({value!r:.60}) has no cache format")
+
+    def _tensor(self, t: torch.Tensor) -> int:
+        if id(t) not in self._tensor_ids:
+            storage = _compat.storage_ref(t)
+            if storage not in self._storage_ids:
+                self._storage_ids[storage] = len(self.storages)
+                self.storages.append(t.untyped_storage().nbytes())
+            self._tensor_ids[id(t)] = len(self.tensors)
+            self.tensors.append([list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype).removeprefix("torch."),
+                                 str(t.device), t.requires_grad, self._storage_ids[storage]])
+        return self._tensor_ids[id(t)]
 
 
-def _load_value(data, mode: _FakeValues, env: dict | None = None):
-    if data is None or isinstance(data, (bool, int, float, str)):
-        return data
-    if isinstance(data, list):
-        return [_load_value(v, mode, env) for v in data]
-    tag, v = data["$"], data.get("v")
-    if tag == "node":
-        return env[v]
-    if tag == "tuple":
-        return tuple(_load_value(x, mode, env) for x in v)
-    if tag == "dict":
-        return {k: _load_value(x, mode, env) for k, x in v.items()}
-    if tag == "float":
-        return float(v)
-    if tag in ("dtype", "layout", "memory_format"):
-        return getattr(torch, v)
-    if tag == "device":
-        return torch.device(v)
-    if tag == "slice":
-        return slice(*(_load_value(x, mode, env) for x in v))
-    if tag == "tensor":
-        return mode.tensor(data)
-    raise ValueError(f"unknown tag {tag!r}")
+class _FakeValues:
+    """Decodes what ``_Values`` encoded; the tensors are fake tensors of one fake mode, made once
+    each, views of one storage where the encoded ones were."""
+
+    def __init__(self, tensors: list, storages: list):
+        self.mode = _compat.fake_mode()
+        self.storages = [_compat.meta_storage(nbytes) for nbytes in storages]
+        self.tensors = [None] * len(tensors)
+        self.described = tensors
+
+    def tensor(self, index: int) -> torch.Tensor:
+        if self.tensors[index] is None:
+            shape, stride, offset, dtype, device, requires_grad, storage = self.described[index]
+            self.tensors[index] = _compat.fake_tensor(self.mode, self.storages[storage], shape, stride, offset,
+                                                      getattr(torch, dtype), torch.device(device), requires_grad)
+        return self.tensors[index]
+
+    def decode(self, data, env: dict | None = None):
+        if data is None or isinstance(data, (bool, int, float, str)):
+            return data
+        if isinstance(data, list):
+            return [self.decode(v, env) for v in data]
+        tag, v = data["$"], data.get("v")
+        if tag == "node":
+            return env[v]
+        if tag == "tensor":
+            return self.tensor(v)
+        if tag == "tuple":
+            return tuple(self.decode(x, env) for x in v)
+        if tag == "dict":
+            return {k: self.decode(x, env) for k, x in v.items()}
+        if tag == "float":
+            return float(v)
+        if tag in ("dtype", "layout", "memory_format"):
+            return getattr(torch, v)
+        if tag == "device":
+            return torch.device(v)
+        if tag == "slice":
+            return slice(*(self.decode(x, env) for x in v))
+        raise ValueError(f"unknown tag {tag!r}")

@@ -104,6 +104,34 @@ def test_a_patched_method_traces_again(cache_dir, monkeypatch):
     assert abs(patched["loss"] - plain["loss"]) > 1e-4
 
 
+def test_an_edited_source_file_traces_again(cache_dir, tmp_path, monkeypatch):
+    """The layers' MLP class comes from a file of the user's: an entry written before the file
+    changed is not used (the process still runs the code it loaded, as a later one would not)."""
+    source = tmp_path / "user_mlp.py"
+    source.write_text(textwrap.dedent("""
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        class UserMLP(LlamaMLP):
+            def forward(self, x):
+                return 0.5 * super().forward(x)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_mlp
+
+    def modify(model):
+        for layer in model.base_model.model.model.layers:
+            layer.mlp.__class__ = user_mlp.UserMLP
+
+    first = step(modify)
+    assert [r["hit"] for r in first["reports"]] == [False, False, False]
+    assert abs(first["loss"] - first["reference"]) <= 1e-6 * abs(first["reference"])
+    assert [r["hit"] for r in step(modify)["reports"]] == [True, True, True]
+    stamp = source.stat()
+    os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
+    assert [r["hit"] for r in step(modify)["reports"]] == [False, False, True]  # the head does not run that file
+    assert [r["hit"] for r in step(modify)["reports"]] == [True, True, True]
+
+
 def test_a_damaged_entry_is_traced_again_and_rewritten(cache_dir):
     cold = step()
     for entry in (cache_dir / "graphs").glob("*.json"):
@@ -151,24 +179,35 @@ def test_a_second_process_reads_what_the_first_wrote(cache_dir):
     assert outputs == ["[False, False, False]", "[True, True, True]"]
 
 
+def round_trip(value):
+    values = trace_cache._Values()
+    data = json.loads(json.dumps(values.encode(value)))
+    return trace_cache._FakeValues(values.tensors, values.storages).decode(data)
+
+
 @pytest.mark.parametrize("value", [
     None, True, 0, -3, 2.5, -0.0, float("inf"), float("-inf"), "x", [1, 2], (1, (2, [3])), {"a": (1,)},
     torch.bfloat16, torch.int64, torch.device("cpu"), torch.device("cuda", 1), torch.contiguous_format,
     torch.channels_last, torch.strided, slice(1, None, 2),
 ])
 def test_argument_values_read_back_as_they_were(value):
-    back = trace_cache._load_value(json.loads(json.dumps(trace_cache._value(value))), trace_cache._FakeValues())
+    back = round_trip(value)
     assert back == value and type(back) is type(value)
     if isinstance(value, float):
         assert repr(back) == repr(value)
 
 
-def test_tensor_values_read_back_as_fake_tensors_of_the_same_layout():
-    real = torch.empty(5, 7, dtype=torch.bfloat16)[1:, ::2]
-    back = trace_cache._load_value(json.loads(json.dumps(trace_cache._value(real))), trace_cache._FakeValues())
-    assert type(back).__name__ == "FakeTensor"
-    assert (back.shape, back.stride(), back.storage_offset(), back.dtype, back.device) == (
-        real.shape, real.stride(), real.storage_offset(), real.dtype, real.device)
+def test_tensor_values_read_back_as_fake_tensors_of_the_same_layout_identity_and_storage():
+    base = torch.empty(5, 7, dtype=torch.bfloat16)
+    view, other = base[1:, ::2], torch.empty(5, 7, dtype=torch.bfloat16)
+    back = round_trip([base, view, base, other, view.view(torch.int16)])
+    assert all(type(t).__name__ == "FakeTensor" for t in back)
+    for real, fake in zip([base, view, base, other, view.view(torch.int16)], back):
+        assert (fake.shape, fake.stride(), fake.storage_offset(), fake.dtype, fake.device) == (
+            real.shape, real.stride(), real.storage_offset(), real.dtype, real.device)
+    assert back[0] is back[2] and back[0] is not back[3]
+    assert torch._C._is_alias_of(back[1], back[0]) and torch._C._is_alias_of(back[4], back[0])
+    assert not torch._C._is_alias_of(back[3], back[0])
 
 
 def test_a_graph_with_a_constant_tensor_is_not_cached():
