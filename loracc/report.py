@@ -29,6 +29,7 @@ class RegionReport:
     fused_groups: int = 0  # groups of pointwise ops / row reductions made one kernel (forward + backward)
     loss: str | None = None  # head regions: how the projection + loss run
     cuda_graphs: list[str] = field(default_factory=list)  # per graph replayed as a CUDA graph or not, and why
+    traces: list[str] = field(default_factory=list)  # per call signature: traced, or read from the trace cache
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Report:
             )
             if r.loss:
                 lines.append(f"      loss: {r.loss}")
+            for trace in r.traces:
+                lines.append(f"      {trace}")
             for decision in r.cuda_graphs:
                 lines.append(f"      {decision}")
             for reason in r.recompiles:
@@ -118,6 +121,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             fused_groups=sum(r.get("groups", 0) for r in program.reports.get("fusion", {}).values()) if program else 0,
             loss=_loss(program) if program and region.kind == "head" else None,
             cuda_graphs=_graph_decisions(region),
+            traces=_traces(region),
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
@@ -144,6 +148,22 @@ def _graph_decisions(region) -> list[str]:
                 decision = fn.decision or "not decided yet whether to replay as a CUDA graph (decides at its third call)"
                 decisions.append(f"{label}{stage}: {decision}")
     return decisions
+
+
+def _traces(region) -> list[str]:
+    """Per call signature of the region, whether its graphs were traced or read from the trace cache."""
+    programs = [p for p in region.programs.values() if p is not None]
+    lines = []
+    for i, program in enumerate(programs):
+        label = f"call signature {i + 1} of {len(programs)}: " if len(programs) > 1 else ""
+        cache = program.reports.get("trace_cache", {})
+        if cache.get("hit"):
+            lines.append(f"{label}graphs read from the trace cache ({cache['entry']})")
+        elif "why" in cache:
+            lines.append(f"{label}traced, not cached: {cache['why']}")
+        else:
+            lines.append(f"{label}traced, kept in the trace cache ({cache.get('entry')})")
+    return lines
 
 
 def _loss(program) -> str:

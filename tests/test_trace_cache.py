@@ -47,15 +47,18 @@ def step(modify=None, **overrides):
     programs = [p for r in model._loracc.regions for p in r.programs.values()]
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return {"loss": loss.item(), "reference": reference, "grads": grads,
-            "reports": [p.reports["trace_cache"] for p in programs], "stages": [p.stages for p in programs]}
+            "reports": [p.reports["trace_cache"] for p in programs], "stages": [p.stages for p in programs],
+            "explained": str(loracc.explain(model))}
 
 
 def test_second_compile_reads_the_graphs_back_and_trains_the_same(cache_dir):
     cold = step()
     assert [r["hit"] for r in cold["reports"]] == [False, False, False]  # layer 0, the other layers, the head
     assert len(list((cache_dir / "graphs").glob("*.json"))) == 3
+    assert cold["explained"].count("traced, kept in the trace cache") == 3
     warm = step()
     assert [r["hit"] for r in warm["reports"]] == [True, True, True]
+    assert warm["explained"].count("graphs read from the trace cache") == 3
     assert warm["loss"] == cold["loss"] and abs(warm["loss"] - warm["reference"]) <= 1e-4 * abs(warm["reference"])
     for name, grad in cold["grads"].items():
         assert grad.abs().sum() > 0 and torch.equal(warm["grads"][name], grad), name
