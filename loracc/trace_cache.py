@@ -13,7 +13,8 @@ An entry is used only when everything its trace depended on is as it was (``trac
 - the call: the arguments' structure, shapes, dtypes, devices and constants, the module's tensors
   (shapes, dtypes, which need gradients), autocast, the module's path;
 - the module tree: each submodule's class and public plain attributes (``module_fingerprint``),
-  and of other attribute values, configurations as their ``to_dict()`` and anything else by type;
+  its private ones (adapters disabled or active, hooks), and of other attribute values,
+  configurations as their ``to_dict()``, functions by their code and anything else by type;
 - the code: every function the module tree's classes define (by their bytecode), the globals of the
   Python modules they are defined in (a function replaced there at run time changes the key); the
   Python, torch, transformers and peft versions. And, checked when the entry is read: the size and
@@ -125,10 +126,11 @@ def _version(package: str) -> str | None:
 
 
 def _object_attributes(module: nn.Module) -> list:
-    """The public attributes ``module_fingerprint`` leaves out (those not plain values), described."""
+    """The attributes ``module_fingerprint`` leaves out, described: values that are not plain, and
+    private ones (PEFT's ``_disable_adapters`` and ``_active_adapter``, a module's hooks)."""
     return [(name, key, _describe(value))
             for name, m in module.named_modules() for key, value in sorted(vars(m).items())
-            if not key.startswith("_") and plain_value(value) is NOT_PLAIN]
+            if key not in ("_parameters", "_buffers", "_modules") and (key.startswith("_") or plain_value(value) is NOT_PLAIN)]
 
 
 def _describe(value):
@@ -138,6 +140,8 @@ def _describe(value):
         return value
     if isinstance(value, (list, tuple)):
         return [_describe(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(repr(_describe(v)) for v in value)
     if isinstance(value, dict):
         return [(repr(k), _describe(v)) for k, v in value.items()]
     if callable(getattr(value, "to_dict", None)):

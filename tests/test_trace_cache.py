@@ -45,7 +45,7 @@ def step(modify=None, **overrides):
     loss = model(**batch).loss
     loss.backward()
     programs = [p for r in model._loracc.regions for p in r.programs.values()]
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
     return {"loss": loss.item(), "reference": reference, "grads": grads,
             "reports": [p.reports["trace_cache"] for p in programs], "stages": [p.stages for p in programs],
             "explained": str(loracc.explain(model))}
@@ -58,6 +58,7 @@ def test_second_compile_reads_the_graphs_back_and_trains_the_same(cache_dir):
     assert cold["explained"].count("traced, kept in the trace cache") == 3
     warm = step()
     assert [r["hit"] for r in warm["reports"]] == [True, True, True]
+    assert len(warm["grads"]) == len(cold["grads"]) == 14 * 2
     assert warm["explained"].count("graphs read from the trace cache") == 3
     assert warm["loss"] == cold["loss"] and abs(warm["loss"] - warm["reference"]) <= 1e-4 * abs(warm["reference"])
     for name, grad in cold["grads"].items():
@@ -83,6 +84,30 @@ def test_a_changed_attribute_traces_again(cache_dir):
     changed = step(alpha=3.0)  # another LoRA scaling: a plain attribute of the LoRA layers
     assert [r["hit"] for r in changed["reports"]] == [False, False, True]  # the head has no LoRA layer
     assert abs(changed["loss"] - changed["reference"]) <= 1e-4 * abs(changed["reference"])
+
+
+def test_disabled_adapters_or_a_forward_hook_trace_again(cache_dir):
+    """Private attributes and hooks change the forward too."""
+    plain = step()
+
+    def disable(model):
+        for name, m in model.named_modules():
+            if name.endswith("q_proj"):
+                m._disable_adapters = True
+
+    disabled = step(disable)
+    assert [r["hit"] for r in disabled["reports"]] == [False, False, True]
+    assert not any("q_proj" in name for name in disabled["grads"])  # the disabled adapters get no gradient
+    assert abs(disabled["loss"] - disabled["reference"]) <= 1e-6 * abs(disabled["reference"])
+
+    def hooked(model):
+        for layer in model.base_model.model.model.layers:
+            layer.mlp.register_forward_hook(lambda module, args, output: 3 * output)
+
+    hooked_run = step(hooked)
+    assert [r["hit"] for r in hooked_run["reports"]] == [False, False, True]
+    assert abs(hooked_run["loss"] - hooked_run["reference"]) <= 1e-6 * abs(hooked_run["reference"])
+    assert abs(hooked_run["loss"] - plain["loss"]) > 1e-4
 
 
 def test_a_function_patched_into_the_model_module_traces_again(cache_dir, monkeypatch):
