@@ -80,15 +80,18 @@ def plain_value(value, index: int = -1):
 NOT_PLAIN = object()
 
 
-def module_fingerprint(layer: nn.Module, index: int = -1) -> tuple:
+def module_fingerprint(layer: nn.Module, index: int = -1, hooks: bool = True) -> tuple:
     """A module's structure as plain values: every submodule's path, class and public plain attributes
-    (flags, sizes, scalings; ``index`` read as '#' in path strings), and its tensors' shapes, dtypes and
-    whether they need gradients. Layers with equal fingerprints share one traced graph."""
+    (flags, sizes, scalings; ``index`` read as '#' in path strings), with ``hooks`` the objects its
+    hooks are (a hook runs inside the traced graph), and its tensors' shapes, dtypes and whether
+    they need gradients. Layers with equal fingerprints share one traced graph."""
     parts = []
     for name, m in layer.named_modules():
         attrs = []
         for key, value in vars(m).items():
             if key.startswith("_") or key in LAYER_ATTRIBUTES_IGNORED:
+                if hooks and key.endswith("hooks") and isinstance(value, dict) and value:
+                    attrs.append((key, tuple(id(hook) for hook in value.values())))
                 continue
             plain = plain_value(value, index)
             if plain is not NOT_PLAIN:

@@ -10,8 +10,8 @@ loaded). The stages after the joint (remat onwards) run again: they depend on th
 
 An entry is used only when everything its trace depended on is as it was (``trace_key``):
 
-- the call: the arguments' structure, shapes, dtypes, devices and constants, the module's tensors
-  (shapes, dtypes, which need gradients), autocast, the module's path;
+- the call: the arguments' structure, shapes, dtypes, devices (with their index) and constants, the
+  module's tensors (shapes, dtypes, which need gradients), autocast, the module's path;
 - the module tree: each submodule's class and public plain attributes (``module_fingerprint``),
   its private ones (adapters disabled or active, hooks), and of other attribute values,
   configurations as their ``to_dict()``, functions by their code and anything else by type;
@@ -102,14 +102,16 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
 
 def trace_key(module: nn.Module, path: str, signature: CallSignature) -> str:
     """The hex digest of everything a trace of ``module`` called with ``signature`` depends on."""
-    devices = sorted({t.device.type for t in [*module.parameters(), *module.buffers(), *signature.tensors]})
+    devices = sorted({str(t.device) for t in [*module.parameters(), *module.buffers(), *signature.tensors]})
+    device_types = sorted({torch.device(d).type for d in devices})
     parts = [
         ("format", FORMAT),
         ("versions", sys.version, torch.__version__, _version("transformers"), _version("peft")),
         ("path", path),
         ("call", signature.key),
-        ("autocast", [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in devices]),
-        ("modules", module_fingerprint(module)),
+        ("devices", devices),  # with their index: the values read back are on them
+        ("autocast", [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in device_types]),
+        ("modules", module_fingerprint(module, hooks=False)),  # hooks: described below
         ("objects", _object_attributes(module)),
         ("code", _code_identity(module)),
     ]
@@ -128,26 +130,34 @@ def _version(package: str) -> str | None:
 def _object_attributes(module: nn.Module) -> list:
     """The attributes ``module_fingerprint`` leaves out, described: values that are not plain, and
     private ones (PEFT's ``_disable_adapters`` and ``_active_adapter``, a module's hooks)."""
-    return [(name, key, _describe(value))
-            for name, m in module.named_modules() for key, value in sorted(vars(m).items())
-            if key not in ("_parameters", "_buffers", "_modules") and (key.startswith("_") or plain_value(value) is NOT_PLAIN)]
+    found = []
+    for name, m in module.named_modules():
+        for key, value in sorted(vars(m).items()):
+            if key in ("_parameters", "_buffers", "_modules") or not (key.startswith("_") or plain_value(value) is NOT_PLAIN):
+                continue
+            if "hooks" in key and isinstance(value, dict):
+                value = list(value.values())  # keyed by handle numbers, which differ from process to process
+            found.append((name, key, _describe(value)))
+    return found
 
 
-def _describe(value):
+def _describe(value, depth: int = 0):
     """A configuration as its ``to_dict()``, a function by its code, containers item by item,
     anything else by its type."""
     if plain_value(value) is not NOT_PLAIN:
         return value
     if isinstance(value, (list, tuple)):
-        return [_describe(v) for v in value]
+        return [_describe(v, depth) for v in value]
     if isinstance(value, (set, frozenset)):
-        return sorted(repr(_describe(v)) for v in value)
+        return sorted(repr(_describe(v, depth)) for v in value)
     if isinstance(value, dict):
-        return [(repr(k), _describe(v)) for k, v in value.items()]
+        return [(repr(k), _describe(v, depth)) for k, v in value.items()]
     if callable(getattr(value, "to_dict", None)):
         return type(value).__qualname__, repr(value.to_dict())
-    if isinstance(value, types.FunctionType):
-        return _function_identity(value)
+    if isinstance(value, types.FunctionType) and depth < 4:
+        return _function_identity(value, depth + 1)
+    if isinstance(value, types.MethodType):
+        return _describe(value.__func__, depth), type(value.__self__).__qualname__
     return type(value).__module__, type(value).__qualname__
 
 
@@ -179,10 +189,11 @@ def _code_identity(module: nn.Module) -> list:
 
 
 def _function_identity(fn: types.FunctionType, depth: int = 0) -> tuple:
-    """A function by name, bytecode, defaults and (for a decorator's wrapper) the functions it closes over."""
-    closure = [_function_identity(c.cell_contents, depth + 1) if isinstance(c.cell_contents, types.FunctionType) and depth < 4
-               else type(c.cell_contents).__qualname__ for c in fn.__closure__ or () if _cell_filled(c)]
-    defaults = [_describe(d) for d in (fn.__defaults__ or ())] + sorted((k, repr(_describe(v))) for k, v in (fn.__kwdefaults__ or {}).items())
+    """A function by name, bytecode, defaults and what it closes over (a decorator's wrapped
+    function, a hook's factor)."""
+    closure = [_describe(c.cell_contents, depth) for c in fn.__closure__ or () if _cell_filled(c)]
+    defaults = [_describe(d, depth) for d in fn.__defaults__ or ()] + sorted(
+        (k, repr(_describe(v, depth))) for k, v in (fn.__kwdefaults__ or {}).items())
     digest = hashlib.sha256(repr(_code_parts(fn.__code__)).encode()).hexdigest()[:16]
     return fn.__module__, fn.__qualname__, digest, defaults, closure
 
@@ -212,7 +223,7 @@ def _globals_identity(mod: types.ModuleType | None) -> list:
         if isinstance(value, types.FunctionType):
             found.append((name, _function_identity(value)))
         elif isinstance(value, (type, types.BuiltinFunctionType)) or (callable(value) and hasattr(value, "__qualname__")):
-            found.append((name, getattr(value, "__module__", None), value.__qualname__))
+            found.append((name, str(getattr(value, "__module__", None)), str(value.__qualname__)))
     return found
 
 

@@ -103,6 +103,17 @@ def test_captures_do_not_grow_with_depth():
     assert captures[0] == captures[1]
 
 
+def test_a_hook_on_one_layer_gives_that_layer_its_own_graph():
+    """A hook inside a layer runs in its traced graph: layers with different hooks do not share one."""
+    model, batch = presets.preset("llama", layers=3)
+    model.base_model.model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: 2 * output)
+    compiled = loracc.compile(copy.deepcopy(model), backend="eager")
+    assert sorted(len(r.modules) for r in compiled._loracc.regions if r.kind == "block") == [1, 2]
+    want, got = _step(model, batch), _step(compiled, batch)
+    assert rel_err(got, want) <= 1e-5
+    _assert_grads_match(model, compiled)
+
+
 def test_plain_pytorch_model_with_loracc_lora_linear():
     model, batch = presets.plain()
     compiled = loracc.compile(copy.deepcopy(model))

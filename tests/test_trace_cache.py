@@ -100,14 +100,19 @@ def test_disabled_adapters_or_a_forward_hook_trace_again(cache_dir):
     assert not any("q_proj" in name for name in disabled["grads"])  # the disabled adapters get no gradient
     assert abs(disabled["loss"] - disabled["reference"]) <= 1e-6 * abs(disabled["reference"])
 
-    def hooked(model):
-        for layer in model.base_model.model.model.layers:
-            layer.mlp.register_forward_hook(lambda module, args, output: 3 * output)
+    def hooked(factor):
+        def modify(model):
+            for layer in model.base_model.model.model.layers:
+                layer.mlp.register_forward_hook(lambda module, args, output: factor * output)
+        return modify
 
-    hooked_run = step(hooked)
-    assert [r["hit"] for r in hooked_run["reports"]] == [False, False, True]
-    assert abs(hooked_run["loss"] - hooked_run["reference"]) <= 1e-6 * abs(hooked_run["reference"])
-    assert abs(hooked_run["loss"] - plain["loss"]) > 1e-4
+    losses = []
+    for factor, hits in ((3.0, [False, False, True]), (3.0, [True, True, True]), (5.0, [False, False, True])):
+        hooked_run = step(hooked(factor))  # the hook's factor is a value it closes over
+        assert [r["hit"] for r in hooked_run["reports"]] == hits, factor
+        assert abs(hooked_run["loss"] - hooked_run["reference"]) <= 1e-6 * abs(hooked_run["reference"])
+        losses.append(hooked_run["loss"])
+    assert abs(losses[0] - plain["loss"]) > 1e-4 and abs(losses[2] - losses[0]) > 1e-4
 
 
 def test_a_function_patched_into_the_model_module_traces_again(cache_dir, monkeypatch):
