@@ -25,6 +25,9 @@ from .graph import info, output_node, param_role, placeholders
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Attributes that differ between otherwise identical layers without changing their training graph.
 LAYER_ATTRIBUTES_IGNORED = {"layer_idx"}
+# A module's own hooks, left out of its traced graph (they run around its compiled forward).
+ROOT_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
 
 
 @dataclass
@@ -139,6 +142,9 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
         return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
     patched_forward = module.__dict__.pop("forward", None)  # trace the module's own forward
+    # The module's own hooks run around the compiled forward, as around any forward: not in its graph.
+    hooks = {name: module.__dict__[name] for name in ROOT_HOOKS if module.__dict__.get(name)}
+    module.__dict__.update({name: type(value)() for name, value in hooks.items()})
     try:
         with _SourceTracker(module, module_path):
             gm = _compat.trace(flat_forward, state + signature.tensors)
@@ -147,6 +153,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     except Exception as exc:  # anything the tracer cannot follow runs eagerly
         raise Unsupported(f"tracing failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     finally:
+        module.__dict__.update(hooks)
         if patched_forward is not None:
             module.forward = patched_forward
 

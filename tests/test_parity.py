@@ -114,6 +114,22 @@ def test_a_hook_on_one_layer_gives_that_layer_its_own_graph():
     _assert_grads_match(model, compiled)
 
 
+def test_a_layers_own_hooks_run_once_around_its_compiled_forward():
+    """Hooks on a compiled layer itself run as around any forward, not a second time in its graph."""
+    model, batch = presets.preset("llama", layers=2)
+    calls = []
+    for layer in model.base_model.model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: (0.5 * args[0],) + tuple(args[1:]))
+        layer.register_forward_hook(lambda module, args, out: 2 * out if torch.is_tensor(out) else (2 * out[0],) + tuple(out[1:]))
+        layer.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(module) or None)
+    compiled = loracc.compile(copy.deepcopy(model), backend="eager")
+    want = _step(model, batch)
+    eager_calls, calls[:] = len(calls), []
+    got = _step(compiled, batch)
+    assert rel_err(got, want) <= 1e-5 and len(calls) == eager_calls == 2
+    _assert_grads_match(model, compiled)
+
+
 def test_plain_pytorch_model_with_loracc_lora_linear():
     model, batch = presets.plain()
     compiled = loracc.compile(copy.deepcopy(model))
