@@ -25,6 +25,8 @@ from .graph import info, output_node, param_role, placeholders
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Attributes that differ between otherwise identical layers without changing their training graph.
 LAYER_ATTRIBUTES_IGNORED = {"layer_idx"}
+# The hooks a module's call runs (a submodule's run inside its layer's traced graph).
+RUN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 # A module's own hooks, left out of its traced graph (they run around its compiled forward).
 ROOT_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
@@ -93,7 +95,7 @@ def module_fingerprint(layer: nn.Module, index: int = -1, hooks: bool = True) ->
         attrs = []
         for key, value in vars(m).items():
             if key.startswith("_") or key in LAYER_ATTRIBUTES_IGNORED:
-                if hooks and key.endswith("hooks") and isinstance(value, dict) and value:
+                if hooks and key in RUN_HOOKS and value:
                     attrs.append((key, tuple(id(hook) for hook in value.values())))
                 continue
             plain = plain_value(value, index)
