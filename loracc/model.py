@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import cross_entropy
-from .capture import module_fingerprint
+from .capture import RUN_HOOKS, module_fingerprint
 from .codegen import get_backend
 from .errors import LoraccError
 from .graph import param_role
@@ -273,9 +273,17 @@ class _BlockForward:
 
     def __init__(self, region: Region, module: nn.Module, path: str):
         self.region, self.module, self.path = region, module, path
+        # The hooks inside the module run in its traced graph, and grouped it with its region's
+        # other layers: a change to them after this point runs the module eagerly.
+        self.hooks = [getattr(m, key) for m in list(module.modules())[1:] for key in RUN_HOOKS]
+        self.hook_counts = tuple(map(len, self.hooks))
 
     def __call__(self, *args, **kwargs):
         eager = type(self.module).forward.__get__(self.module)
+        if tuple(map(len, self.hooks)) != self.hook_counts:
+            self.region._fall_back(self.path, "hooks inside it were added or removed after loracc.compile "
+                                              "(compile after registering them)")
+            return eager(*args, **kwargs)
         return self.region.run(self.module, self.path, eager, args, kwargs)
 
     @property

@@ -114,6 +114,19 @@ def test_a_hook_on_one_layer_gives_that_layer_its_own_graph():
     _assert_grads_match(model, compiled)
 
 
+def test_a_hook_added_inside_a_layer_after_compile_runs_that_layer_eagerly():
+    model, batch = presets.preset("llama", layers=2)
+    compiled = loracc.compile(copy.deepcopy(model), backend="eager")
+    _step(compiled, batch)
+    for m in (model, compiled):
+        m.base_model.model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: 2 * output)
+    want = _step(model, batch)
+    with pytest.warns(UserWarning, match="layers.1 runs eagerly: hooks inside it were added"):
+        got = _step(compiled, batch)
+    assert rel_err(got, want) <= 1e-5
+    assert [f.module for f in loracc.explain(compiled).fallbacks] == ["base_model.model.model.layers.1"]
+
+
 def test_a_layers_own_hooks_run_once_around_its_compiled_forward():
     """Hooks on a compiled layer itself run as around any forward, not a second time in its graph."""
     model, batch = presets.preset("llama", layers=2)
