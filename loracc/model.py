@@ -436,6 +436,11 @@ class _HeadForward:
         extra = [k for k, v in call.items() if k not in self.FUSED_KEYS and not _is_default(k, v)]
         if not (lm.training and torch.is_grad_enabled()) or labels is None or extra:
             return eager(*args, **kwargs)
+        if any(getattr(m, key) for m in (decoder.norm, lm.lm_head) for key in RUN_HOOKS):
+            # The head region calls neither module as the eager forward does (the norm is deferred
+            # into it, the fused loss reads the projection's weight): their hooks need the eager head.
+            self.region._fall_back("norm+lm_head+loss", "the final norm or lm_head has hooks")
+            return eager(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         with _deferred(decoder.norm):

@@ -127,6 +127,19 @@ def test_a_hook_added_inside_a_layer_after_compile_runs_that_layer_eagerly():
     assert [f.module for f in loracc.explain(compiled).fallbacks] == ["base_model.model.model.layers.1"]
 
 
+@pytest.mark.parametrize("module", ["norm", "lm_head"])
+def test_hooks_on_the_final_norm_or_lm_head_run_the_head_eagerly(module):
+    model, batch = presets.preset("llama", layers=2)
+    inner = model.base_model.model
+    (inner.model.norm if module == "norm" else inner.lm_head).register_forward_hook(lambda m, args, out: 3 * out + 1)
+    compiled = loracc.compile(copy.deepcopy(model), backend="eager")
+    want = _step(model, batch)
+    with pytest.warns(UserWarning, match="norm\\+lm_head\\+loss runs eagerly: the final norm or lm_head has hooks"):
+        got = _step(compiled, batch)
+    assert rel_err(got, want) <= 1e-5
+    _assert_grads_match(model, compiled)
+
+
 def test_a_layers_own_hooks_run_once_around_its_compiled_forward():
     """Hooks on a compiled layer itself run as around any forward, not a second time in its graph."""
     model, batch = presets.preset("llama", layers=2)
