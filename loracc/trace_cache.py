@@ -2,7 +2,8 @@
 
 Tracing a region and differentiating it (``capture_forward``, the forward passes, ``derive_joint``)
 is most of the host time of a first step whose kernels are cached already: 1.4-1.6 s of a 3.1-3.3 s
-first step of Llama-3.2-1B on an H100 host (``benchmarks/first_call_host.py --device cuda``).
+first forward + backward of Llama-3.2-1B on an H100 host (2026-11-23, ``python
+benchmarks/first_call_host.py --device cuda``, ``benchmarks/results/first_call_host_h100_2026-11-23.md``).
 ``compile_call`` looks the traced graphs up here first. An entry holds the captured graph, each
 forward pass's graph and report, and the joint graph: every node with its target, arguments, loracc
 annotations and the shape, strides, dtype and device of its value (rebuilt as fake tensors when
