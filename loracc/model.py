@@ -15,6 +15,7 @@ The model object stays the user's: only the ``forward`` of the compiled modules 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -280,6 +281,8 @@ class _BlockForward:
 
     def __call__(self, *args, **kwargs):
         eager = type(self.module).forward.__get__(self.module)
+        if _EAGER.get():
+            return eager(*args, **kwargs)
         if tuple(map(len, self.hooks)) != self.hook_counts:
             self.region._fall_back(self.path, "hooks inside it were added or removed after loracc.compile "
                                               "(compile after registering them)")
@@ -330,17 +333,78 @@ def _patch_use_cache(state: CompiledState, owner: nn.Module) -> None:
 
 
 class _NoCacheInTraining:
+    """A decoder's ``forward`` in training: ``use_cache=False`` unless the caller asks, so that its
+    layers get no KV cache (a cache is state the compiled graphs cannot update) — except for a call
+    whose numbers the cache changes (``_cache_changes_the_mask``): that call runs eagerly."""
+
     def __init__(self, module: nn.Module):
         self.module = module
 
     def __call__(self, *args, **kwargs):
+        forward = type(self.module).forward
         if self.module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+            call = _bound_call(self.module, args, kwargs)
+            if call is not None and _cache_changes_the_mask(self.module, call):
+                with _all_eager():
+                    return forward(self.module, *args, **kwargs)
             kwargs["use_cache"] = False
-        return type(self.module).forward(self.module, *args, **kwargs)
+        return forward(self.module, *args, **kwargs)
 
     @property
     def __signature__(self):
         return _eager_signature(self.module)
+
+
+_EAGER = contextvars.ContextVar("loracc_eager", default=False)
+
+
+@contextlib.contextmanager
+def _all_eager():
+    """Every compiled region called inside runs its module's eager forward."""
+    token = _EAGER.set(True)
+    try:
+        yield
+    finally:
+        _EAGER.reset(token)
+
+
+def _bound_call(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """The arguments of a call of ``module.forward`` by name (``**kwargs`` flattened), or None."""
+    try:
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    except TypeError:
+        return None
+    call = dict(bound.arguments)
+    call.pop("self", None)
+    call.update(call.pop("kwargs", {}))
+    return call
+
+
+def _cache_changes_the_mask(module: nn.Module, call: dict) -> bool:
+    """True when a training call left with ``use_cache`` unset would not compute the same numbers
+    with ``use_cache=False``: Hugging Face builds a KV cache when the config's ``use_cache`` is on,
+    and with a cache it does not look for packed sequences in ``position_ids`` (positions that
+    restart within a row, as ``DataCollatorWithFlattening`` makes them, with no ``attention_mask``):
+    eager then attends across the packed sequences, while without a cache each attends only to
+    itself. Such a call runs eagerly, as it would without loracc, with a warning saying how to
+    compile it (``use_cache=False``, which keeps the sequences apart)."""
+    config = getattr(module, "config", None)
+    positions = call.get("position_ids")
+    if not getattr(config, "use_cache", False) or call.get("attention_mask") is not None:
+        return False
+    if call.get("past_key_values") is not None or not isinstance(positions, torch.Tensor) or positions.shape[-1] < 2:
+        return False
+    packed = bool((positions[..., 1:] - positions[..., :-1] != 1).any())
+    if packed:
+        warnings.warn(
+            f"loracc: {type(module).__name__} is called with packed position_ids (positions restart within "
+            "a row) and no attention_mask while its config has use_cache=True: transformers then attends "
+            "across the packed sequences, which loracc reproduces by running this call eagerly. Pass "
+            "use_cache=False (or set model.config.use_cache=False) to keep the sequences apart and run "
+            "it compiled",
+            stacklevel=4,
+        )
+    return packed
 
 
 def _causal_lm(model: nn.Module):
@@ -415,7 +479,6 @@ class _HeadForward:
 
     def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module):
         self.region, self.lm, self.decoder = region, lm, decoder
-        self.signature = inspect.signature(type(lm).forward)
         self.head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size, _fusable_loss(lm))
 
     @property
@@ -425,13 +488,12 @@ class _HeadForward:
     def __call__(self, *args, **kwargs):
         lm, decoder = self.lm, self.decoder
         eager = type(lm).forward.__get__(lm)
-        try:
-            bound = self.signature.bind(lm, *args, **kwargs)
-        except TypeError:
+        call = _bound_call(lm, args, kwargs)
+        if call is None:
             return eager(*args, **kwargs)
-        call = dict(bound.arguments)
-        call.pop("self", None)
-        call.update(call.pop("kwargs", {}))
+        if lm.training and torch.is_grad_enabled() and call.get("use_cache") is None and _cache_changes_the_mask(decoder, call):
+            with _all_eager():
+                return eager(*args, **kwargs)
         labels = call.get("labels")
         extra = [k for k, v in call.items() if k not in self.FUSED_KEYS and not _is_default(k, v)]
         if not (lm.training and torch.is_grad_enabled()) or labels is None or extra:
