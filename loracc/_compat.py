@@ -31,6 +31,48 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
         return traced(*example_inputs)
 
 
+def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
+    """Fake copies of ``tensors`` in one fake mode with a shape environment: dim ``d`` of tensor ``i``
+    is a symbol where ``dynamic[i][d]`` (each its own symbol: equal sizes are not assumed equal;
+    the trace records what it needs as guards), a constant elsewhere. Returns ``(fakes, shape_env)``.
+    ``trace`` of a function of these traces a graph valid for every size the guards admit."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv(duck_shape=True)
+    mode = FakeTensorMode(shape_env=shape_env)
+    fakes = []
+    for t, dims in zip(tensors, dynamic):
+        sizes = [DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes, dynamic_strides=[DimDynamic.INFER_STRIDE] * len(dims))
+        fake = mode.from_tensor(t, symbolic_context=context)
+        fakes.append(fake.requires_grad_(t.requires_grad) if t.is_leaf else fake)
+    return fakes, shape_env
+
+
+def guards_hold(shape_env, fakes: list, tensors: list) -> bool:
+    """Whether every guard the shape environment recorded (while tracing and planning the graphs
+    made from ``fakes``) holds for the sizes of ``tensors``."""
+    return shape_env.evaluate_guards_for_args(fakes, tensors, ignore_static=False)
+
+
+def hint(size) -> int:
+    """A size as an int: a symbolic size's value at the shapes it was traced with, without adding a
+    guard (``int()`` of a symbolic size would specialise the graph to it)."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
+
+
+def is_symbolic(val) -> bool:
+    """True for a fake tensor (or tuple of them) with a symbolic size or stride."""
+    if isinstance(val, (tuple, list)):
+        return any(is_symbolic(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
+    return isinstance(val, torch.SymInt)
+
+
 def fake_mode():
     """A fresh fake-tensor mode (static shapes), for values rebuilt from their descriptions."""
     from torch._subclasses.fake_tensor import FakeTensorMode

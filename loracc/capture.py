@@ -115,6 +115,14 @@ class CapturedForward:
     param_names: list[str]
     out_spec: object = None
     out_leaves: list = field(default_factory=list)
+    # A symbolic capture's shape environment (its guards) and the fake inputs it traced with.
+    shape_env: object = None
+    fakes: list = field(default_factory=list)
+
+    def admits(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the graphs made from this capture are valid for a call with these tensors (state
+        first): always for a static capture of the same key, by its guards for a symbolic one."""
+        return self.shape_env is None or _compat.guards_hold(self.shape_env, self.fakes, tensors)
 
     def rebuild_output(self, tensors):
         it = iter(tensors)
@@ -128,10 +136,28 @@ def module_state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     return [n for n, _ in named], [t for _, t in named]
 
 
-def capture_forward(module: nn.Module, module_path: str, signature: CallSignature) -> CapturedForward:
-    """Trace ``module(*args, **kwargs)`` into an ATen graph whose inputs are state + tensor args."""
+def dynamic_dims(tensors: list[torch.Tensor]) -> list[list[bool]]:
+    """Which dims of a call's tensors a symbolic capture leaves free: every dim whose size is also
+    the size of a leading (not last) dim of one of them, other than 1 — the batch and sequence
+    dims of a decoder layer's hidden states, position ids, rotary tables and attention masks.
+    Feature dims (a last dim of another size) stay constants."""
+    leading = {size for t in tensors for size in t.shape[:-1] if size > 1}
+    return [[size in leading for size in t.shape] for t in tensors]
+
+
+def capture_forward(module: nn.Module, module_path: str, signature: CallSignature, dynamic: bool = False) -> CapturedForward:
+    """Trace ``module(*args, **kwargs)`` into an ATen graph whose inputs are state + tensor args.
+
+    ``dynamic``: the call's batch and sequence dims (``dynamic_dims``) are symbols, so the graph
+    serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``); otherwise every
+    size is a constant."""
     names, state = module_state(module)
     captured = CapturedForward(gm=None, param_names=names)
+    examples = state + signature.tensors
+    if dynamic:
+        dims = [[False] * t.dim() for t in state] + dynamic_dims(signature.tensors)
+        examples, captured.shape_env = _compat.symbolic_fakes(examples, dims)
+        captured.fakes = examples
 
     def flat_forward(*flat):
         args, kwargs = signature.rebuild(flat[len(state):])
@@ -149,7 +175,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     module.__dict__.update({name: type(value)() for name, value in hooks.items()})
     try:
         with _SourceTracker(module, module_path):
-            gm = _compat.trace(flat_forward, state + signature.tensors)
+            gm = _compat.trace(flat_forward, examples)
     except Unsupported:
         raise
     except Exception as exc:  # anything the tracer cannot follow runs eagerly

@@ -35,7 +35,7 @@ def value(node: fx.Node):
 
 def tensor_bytes(val) -> int:
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return _compat.hint(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(tensor_bytes(v) for v in val)
     return 0

@@ -2,7 +2,8 @@
 
 Regions:
 
-- **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules (a decoder's layers);
+- **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules with LoRA (a decoder's
+  layers), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
   layers whose structure is the same (parameters, flags such as a sliding window) share one region,
   so a model is captured once however deep it is;
 - **head**: for a Hugging Face causal LM, the final norm + vocabulary projection + loss;
@@ -300,18 +301,37 @@ def _eager_signature(module: nn.Module) -> inspect.Signature:
 
 
 def _find_block_lists(model: nn.Module):
-    """The outermost ModuleLists of same-class modules with LoRA parameters, and their owners."""
-    found = []
+    """The outermost ModuleLists of same-class modules with parameters that are block regions, and
+    their owners: those with LoRA parameters (a decoder's layers, a UNet's transformer blocks), and
+    the frozen ones of the same stage (a UNet's ResNet blocks and samplers), which carry the input
+    gradient between LoRA blocks. A stage is the owner of a LoRA list or, where that owner is one
+    element of an outer ModuleList (a UNet's ``down_blocks``), that outer list: frozen lists
+    elsewhere (a frozen vision tower beside a language model) stay eager."""
+    lists = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if any(name.startswith(prefix + ".") for prefix, _, _ in found):
+        if any(name.startswith(prefix + ".") for prefix, _ in lists):
             continue
-        classes = {type(m) for m in module}
-        if len(classes) == 1 and any(True for _ in module[0].parameters()) and find_lora_layers(module):
+        if len({type(m) for m in module}) == 1 and any(True for _ in module[0].parameters()):
+            lists.append((name, module))
+    with_lora = [name for name, module in lists if find_lora_layers(module)]
+    stages = {_stage(model, name) for name in with_lora}
+    found = []
+    for name, module in lists:
+        if name in with_lora or any(stage == "" or name.startswith(stage + ".") for stage in stages):
             owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             found.append((name, owner, list(enumerate(module))))
     return found
+
+
+def _stage(model: nn.Module, list_path: str) -> str:
+    """The path of the stage a block list belongs to: its owner, or the ModuleList holding that owner."""
+    owner = list_path.rsplit(".", 1)[0] if "." in list_path else ""
+    outer = owner.rsplit(".", 1)[0] if "." in owner else ""
+    if owner and isinstance(model.get_submodule(outer), nn.ModuleList):
+        return outer
+    return owner
 
 
 def _group_layers(layers):
@@ -449,7 +469,9 @@ class _Head(nn.Module):
             return loss, logits
         # Hugging Face's ForCausalLMLoss: tokens < n predict n; the mean over counted tokens, or the
         # sum over num_items_in_batch when the Trainer accumulates gradients.
-        targets = torch.nn.functional.pad(labels, (0, 1), value=self.IGNORE_INDEX)[..., 1:].reshape(-1)
+        # (shifted by slicing, not F.pad, whose tracing fixes symbolic sizes to the traced ones)
+        last = labels.new_full((*labels.shape[:-1], 1), self.IGNORE_INDEX)
+        targets = torch.cat([labels[..., 1:], last], dim=-1).reshape(-1)
         flat, weight = hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight
         if torch.is_autocast_enabled(device):  # as autocast runs the eager lm_head
             flat, weight = flat.to(compute_dtype), weight.to(compute_dtype)

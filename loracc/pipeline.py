@@ -33,13 +33,27 @@ class Program:
     stages: dict[str, fx.GraphModule] = field(default_factory=dict)
     reports: dict[str, dict] = field(default_factory=dict)
     compile_seconds: float = 0.0
+    generic_key: tuple | None = None  # a symbolic program: the calls it may serve (runtime._generic_key)
+
+    @property
+    def dynamic(self) -> bool:
+        """True for a program captured with symbolic batch and sequence dims."""
+        return self.captured.shape_env is not None
+
+    def admits(self, tensors: list) -> bool:
+        """Whether this program computes the call with these inputs (state + call tensors)."""
+        return self.captured.admits(tensors)
 
 
 def compile_call(
     module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
-    memory_budget=None, repeats: int = 1, reserved_bytes: int | None = None,
+    memory_budget=None, repeats: int = 1, reserved_bytes: int | None = None, dynamic: bool = False,
 ) -> Program:
     """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
+
+    ``dynamic``: capture with the batch and sequence dims symbolic (``capture.dynamic_dims``): the
+    program then serves every call its guards admit (``Program.admits``), its plans and byte counts
+    taken at this call's sizes; it is traced every time (the trace cache keeps static captures).
 
     ``memory_budget`` is what ``loracc.compile`` took; a byte limit also needs ``repeats`` (how many
     times a step runs this program: a block region's number of layers) and ``reserved_bytes`` (what
@@ -48,7 +62,11 @@ def compile_call(
     start = time.perf_counter()
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
-    traced, cache_report = cached_trace(module, path, signature, lambda: trace(module, path, signature, needs_grad))
+    if dynamic:
+        traced = trace(module, path, signature, needs_grad, dynamic=True)
+        cache_report = {"hit": False, "why": "symbolic shapes (traced once for every sequence length)"}
+    else:
+        traced, cache_report = cached_trace(module, path, signature, lambda: trace(module, path, signature, needs_grad))
     captured, stages, reports = traced.captured, dict(traced.stages), dict(traced.reports)
     reports["trace_cache"] = cache_report
     out_vals = [o.meta["val"] for o in output_node(stages["captured"]).args[0]]
@@ -90,9 +108,9 @@ def compile_call(
     )
 
 
-def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: list[bool]) -> Traced:
+def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: list[bool], dynamic: bool = False) -> Traced:
     """Capture the call, run the forward passes, derive the joint graph (what ``trace_cache`` keeps)."""
-    captured = capture_forward(module, path, signature)
+    captured = capture_forward(module, path, signature, dynamic=dynamic)
     gm = captured.gm
     stages, reports = {"captured": gm}, {}
     # A pass rewrites the graph it is given: each runs on a copy, so that every stage stays as it was.

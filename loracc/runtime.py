@@ -23,6 +23,10 @@ from .cuda_graphs import Replayer, check_lease, share_decisions
 from .errors import Unsupported
 from .pipeline import Program, compile_call
 
+# A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
+# where they pay); the next call of that kind with other batch or sequence sizes compiles one
+# program with those dims symbolic, which every later size its guards admit reuses.
+STATIC_SIGNATURES = 1
 RECOMPILE_WARNING_AT = 8
 # cuda_graphs="auto" tries graphs for a region's first call signatures only (a block's first layer,
 # whose input needs no gradient, has its own): every graph kept holds its static inputs and outputs,
@@ -81,7 +85,8 @@ class Region:
     memory_budget: object = None
     # What the rest of the step holds while this region runs, given the region and the call's tensors.
     reserved_bytes: Callable[["Region", list], int] | None = None
-    programs: dict = field(default_factory=dict)
+    programs: dict = field(default_factory=dict)  # call key → its program (None: runs eagerly)
+    dynamic_programs: list = field(default_factory=list)  # the symbolic programs, in compile order
     captures: int = 0
     calls: int = 0
     fallbacks: list[Fallback] = field(default_factory=list)
@@ -100,21 +105,38 @@ class Region:
         _, state = module_state(module)
         key = (signature.key, tuple(tensor_key(t) for t in state), _autocast_key(state + signature.tensors))
         program = self.programs.get(key)
-        if program is None:
-            program = self._compile(module, path, signature, state, key)
+        if program is None and key not in self.programs:
+            program = self._dynamic_program(key, state + signature.tensors)
             if program is None:
-                return eager_forward(*args, **kwargs)
+                program = self._compile(module, path, signature, state, key)
+            else:
+                self.programs[key] = program
+        if program is None:
+            return eager_forward(*args, **kwargs)
         self.calls += 1
         outputs = _RegionFunction.apply(program, *state, *signature.tensors)
         return program.captured.rebuild_output(outputs)
 
+    def _dynamic_program(self, key, tensors) -> Program | None:
+        """A symbolic program of this region that computes a call with ``key`` and these inputs."""
+        generic = _generic_key(key)
+        for program in self.dynamic_programs:
+            if program.generic_key == generic and program.admits(tensors):
+                return program
+        return None
+
     def _compile(self, module, path, signature, state, key):
-        log.info("compiling region %s for %s", self.name, _describe_shapes(signature.tensors))
+        generic = _generic_key(key)
+        static = [k for k, p in self.programs.items() if p is not None and not p.dynamic and _generic_key(k) == generic]
+        dynamic = len(static) >= STATIC_SIGNATURES
+        log.info("compiling region %s for %s%s", self.name, _describe_shapes(signature.tensors),
+                 " (batch and sequence dims symbolic)" if dynamic else "")
         start = time.perf_counter()
         try:
             program = compile_call(
                 module, path, signature, state, self.backend, memory_budget=self.memory_budget,
                 repeats=self.repeats, reserved_bytes=self.reserved_bytes(self, signature.tensors) if self.reserved_bytes else None,
+                dynamic=dynamic,
             )
         except Unsupported as exc:
             self._fall_back(path, str(exc))
@@ -125,20 +147,26 @@ class Region:
                  program.reports.get("lora_match", {}).get("matched", 0))
         if self.programs:
             self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
+        if program.dynamic:
+            program.generic_key = _generic_key(key)
+            self.dynamic_programs.append(program)
         compiled = [p for p in self.programs.values() if p is not None]
-        if len(compiled) >= AUTO_GRAPHED_SIGNATURES:
+        if program.dynamic:
+            pass  # runs from Python: a CUDA graph is made for one set of sizes
+        elif len(compiled) >= AUTO_GRAPHED_SIGNATURES:
             _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
                                           f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only")
         elif compiled:
             share_decisions(compiled[0], program)
         self.programs[key] = program
         self.captures += 1
-        if len(self.programs) >= RECOMPILE_WARNING_AT and not self._warned_storm:
+        if self.captures >= RECOMPILE_WARNING_AT and not self._warned_storm:
             self._warned_storm = True
             warnings.warn(
-                f"loracc: region {self.name} was compiled for {len(self.programs)} different input "
-                "shapes; every new sequence length compiles again. Pad batches to a few lengths, e.g. "
-                "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64) or padding='max_length'",
+                f"loracc: region {self.name} was compiled {self.captures} times (last: {self.recompile_reasons[-1]}). "
+                "Calls that differ only in batch and sequence sizes share one program; other changes "
+                "(dtypes, which arguments are given, gradients required) compile again. "
+                "loracc.explain(model) lists what changed at each",
                 stacklevel=4,
             )
         return program
@@ -168,6 +196,15 @@ def _without_auto_graphs(program: Program, why: str) -> None:
         fn = getattr(program, stage)
         if isinstance(fn, Replayer) and fn.mode == "auto":
             fn.decision = why  # decided before its first call: it never captures
+
+
+def _generic_key(key: tuple) -> tuple:
+    """A call key with the sizes of its arguments' tensors left out (ranks kept): the calls a
+    symbolic program may serve, its guards permitting."""
+    (spec, leaves), state, autocast = key
+    sizeless = tuple((len(leaf[0]),) + leaf[1:] if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple) else leaf
+                     for leaf in leaves)
+    return (spec, sizeless), state, autocast
 
 
 def _describe_shapes(tensors) -> str:

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from .. import _compat
 from ..ops import or_empty
 from . import autotune
 from . import lora_gemm_tma
@@ -154,7 +155,7 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     else:
         grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
         gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
-    rows = vals[0].numel() // vals[0].shape[-1]
+    rows = _compat.hint(vals[0].numel()) // vals[0].shape[-1]  # symbolic sizes: at the traced shape
     tma = _tma_gemm(gemm, device)
     return ([functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
             + [functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)])

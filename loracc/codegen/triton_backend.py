@@ -15,6 +15,7 @@ import threading
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..errors import LoraccError
 from ..graph import copy_nodes, info
 from ..cross_entropy import LINEAR_CROSS_ENTROPY
@@ -83,7 +84,15 @@ class TritonBackend:
         ``fixed_inputs``, ``lend_from``: see ``cuda_graphs.Replayer``."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
+        # A graph with symbolic batch and sequence sizes: the row kernels are generated for fixed
+        # shapes, so its fused groups run their ATen ops; the LoRA and loss kernels take their sizes
+        # at run time; it runs from Python (a CUDA graph holds one set of sizes).
+        symbolic = any(_compat.is_symbolic(p.meta.get("val")) for p in graph.find_nodes(op="placeholder"))
         for node in graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, FusedRows) and symbolic:
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
+                                    "runs": "reference ops: symbolic sizes (the row kernels are generated per shape)"})
+                continue
             if node.op == "call_function" and isinstance(node.target, FusedRows):
                 try:
                     kernel = fused_rows.kernel_for(node.target)
@@ -130,7 +139,7 @@ class TritonBackend:
             precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
         # save, and its trial capture would come at the step's memory peak, weights copied.
-        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2) or symbolic:
             return gm
         return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
                         after=after if isinstance(after, Replayer) else None, fixed_inputs=fixed_inputs,

@@ -3,7 +3,10 @@
 Requires: an ATen-level forward graph from ``capture_forward``.
 Guarantees: the same function; no node without users unless it has side effects (random ops and
 other in-place ops stay); every ``x @ Wᵀ (+ b)`` that the tracer split into ``t``/``view``/``mm``/
-``addmm``/``_unsafe_view`` is one ``aten.linear(x, W, b)`` node, so later passes match one shape.
+``addmm``/``_unsafe_view`` is one ``aten.linear(x, W, b)`` node, so later passes match one shape;
+in a graph with symbolic sizes, every size read with ``sym_size`` is read from a graph input that
+has it (not from an intermediate such as a base layer's output, which would then have one more
+user than the pattern passes expect).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def cleanup(gm: fx.GraphModule) -> PassResult:
     linears_before = _count_linears(gm)
     before = len(gm.graph.nodes)
+    _sizes_from_inputs(gm.graph)
     # Last node first, so that a 3-d linear (view, mm, _unsafe_view) folds whole before its 2-d mm
     # (whose own fold, left without users, goes with the dead code).
     folded = sum(_fold_linear(node) for node in reversed(list(gm.graph.nodes)))
@@ -28,6 +32,26 @@ def cleanup(gm: fx.GraphModule) -> PassResult:
     gm.recompile()
     removed = before + folded - len(gm.graph.nodes)
     return PassResult(gm, {"linears folded": _count_linears(gm) - linears_before, "dead nodes removed": removed})
+
+
+def _sizes_from_inputs(graph: fx.Graph) -> None:
+    """Point each ``sym_size(v, d)`` whose size is one symbol at the first graph input dim of that
+    symbol (the same value for every size the graph is valid for)."""
+    first = {}
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                first.setdefault(size.node.expr, (node, dim))
+    for node in list(graph.find_nodes(op="call_function", target=aten.sym_size.int)):
+        size = node.meta.get("val")
+        source = first.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+        if source is not None and tuple(node.args) != source:
+            with graph.inserting_before(node):
+                moved = graph.call_function(aten.sym_size.int, source)
+            moved.meta.update(node.meta)
+            node.replace_all_uses_with(moved)
+            graph.erase_node(node)
 
 
 def _count_linears(gm: fx.GraphModule) -> int:
@@ -53,7 +77,7 @@ def _fold_linear(node: fx.Node) -> bool:
     x_val, w_val = _val(x), _val(weight)
     if x_val is None or w_val is None or x_val.shape[-1] != w_val.shape[1]:
         return False
-    if out_shape is not None and [int(s) for s in out_shape] != [*x_val.shape[:-1], w_val.shape[0]]:
+    if out_shape is not None and not _same_sizes(_val(node).shape, [*x_val.shape[:-1], w_val.shape[0]]):
         return False
     with node.graph.inserting_before(node):
         linear = node.graph.call_function(aten.linear.default, (x, weight, bias))
@@ -78,6 +102,14 @@ def _linear_2d(node) -> tuple | None:
     if not (isinstance(wt, fx.Node) and wt.target == aten.t.default):
         return None
     return x, wt.args[0], bias
+
+
+def _same_sizes(a, b) -> bool:
+    """Sizes equal for every shape the graph is valid for (symbolic sizes compared as expressions,
+    so no guard is added)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _val(node):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .. import cross_entropy
+from .. import _compat, cross_entropy
 from ..graph import info, output_values, role
 from . import PassResult
 
@@ -87,10 +87,14 @@ def storage_key(node: fx.Node) -> tuple:
 
 
 def value_bytes(val) -> int:
-    """Bytes a tensor's buffer spans (its strides included), 0 for anything else."""
-    if not isinstance(val, torch.Tensor) or val.numel() == 0:
+    """Bytes a tensor's buffer spans (its strides included), 0 for anything else. Symbolic sizes
+    count at the shapes the graph was traced with (``_compat.hint``)."""
+    if not isinstance(val, torch.Tensor):
         return 0
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(val.shape, val.stride()))
+    shape, stride = [_compat.hint(s) for s in val.shape], [_compat.hint(s) for s in val.stride()]
+    if 0 in shape:
+        return 0
+    span = 1 + sum((size - 1) * abs(st) for size, st in zip(shape, stride))
     return span * val.element_size()
 
 
@@ -145,7 +149,9 @@ def workspace_bytes(node: fx.Node) -> int:
     graph shows)."""
     if node.op == "call_function" and node.target is cross_entropy.LINEAR_CROSS_ENTROPY:
         hidden, weight, _, _, _, chunk_rows = node.args
-        return cross_entropy.workspace_bytes(weight.meta["val"].shape[0], chunk_rows, weight.meta["val"].dtype)
+        if isinstance(chunk_rows, fx.Node):  # a symbolic size, computed in the graph
+            chunk_rows = chunk_rows.meta["val"]
+        return cross_entropy.workspace_bytes(weight.meta["val"].shape[0], _compat.hint(chunk_rows), weight.meta["val"].dtype)
     return 0
 
 
