@@ -11,10 +11,11 @@ from .errors import LoraccError, Unsupported
 from .lora import LoRALinear
 from .model import compile, uncompile
 from .optim import FusedAdamW
+from .quant import quantize
 from .report import Report, explain
 
 __version__ = "0.1.0"
-__all__ = ["compile", "uncompile", "explain", "verbose", "Report", "LoRALinear", "LoraccError", "Unsupported", "FusedAdamW"]
+__all__ = ["compile", "uncompile", "explain", "verbose", "Report", "LoRALinear", "LoraccError", "Unsupported", "FusedAdamW", "quantize"]
 
 
 def verbose(on: bool = True) -> None:

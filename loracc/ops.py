@@ -150,3 +150,50 @@ lora_linear.register_autograd(_backward, setup_context=_setup_context)
 
 LORA_LINEAR = torch.ops.loracc.lora_linear.default
 LORA_LINEAR_BACKWARD = torch.ops.loracc.lora_linear_backward.default
+
+
+# A quantized frozen base --------------------------------------------------------------------------
+# ``loracc::dequant_nf4(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset,
+# shape, blocksize, nested_blocksize, dtype) -> W`` decodes an NF4 weight in bitsandbytes' format
+# (``loracc/quant/nf4.py``) to ``dtype``, bit for bit as bitsandbytes' ``dequantize_4bit``. A
+# quantized base layer's traced graph reads ``linear(x, dequant_nf4(...), b)``, so ``lora_match`` sees
+# the frozen weight behind it, and ``remat`` recomputes W in the backward from the packed tensors
+# (graph inputs, free to keep) instead of saving a 16-bit copy of every layer. Its inputs never need
+# a gradient: it has no backward. On CUDA it runs a Triton kernel (``codegen/nf4.py``).
+
+
+@torch.library.custom_op("loracc::dequant_nf4", mutates_args=())
+def dequant_nf4(
+    packed: Tensor,
+    absmax: Tensor,
+    quant_map: Tensor,
+    nested_absmax: Tensor | None,
+    nested_quant_map: Tensor | None,
+    nested_offset: Tensor | None,
+    shape: list[int],
+    blocksize: int,
+    nested_blocksize: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    from .quant.nf4 import dequantize_nf4
+
+    return dequantize_nf4(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape,
+                          blocksize, nested_blocksize, dtype)
+
+
+@dequant_nf4.register_fake
+def _(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape, blocksize, nested_blocksize, dtype):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+@dequant_nf4.register_kernel("cuda")
+def _(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape, blocksize, nested_blocksize, dtype):
+    from .codegen.nf4 import dequantize
+
+    return dequantize(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape,
+                      blocksize, nested_blocksize, dtype)
+
+
+DEQUANT_NF4 = torch.ops.loracc.dequant_nf4.default
+# loracc ops that are cheap to compute again (no GEMM): remat may recompute them in the backward.
+RECOMPUTABLE = (DEQUANT_NF4,)

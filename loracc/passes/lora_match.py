@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import info, placeholders, role
-from ..ops import LORA_LINEAR
+from ..ops import DEQUANT_NF4, LORA_LINEAR
 from . import PassResult
 
 aten = torch.ops.aten
@@ -68,10 +68,20 @@ def _linear(node, weight_role: str):
         return None
     x, weight, *rest = node.args
     bias = rest[0] if rest else None
-    root = _uncast(weight)
+    root = _frozen_weight_root(weight) if weight_role == "frozen_weight" else _uncast(weight)
     if root.op != "placeholder" or role(root) != weight_role:
         return None
     return x, weight, bias
+
+
+def _frozen_weight_root(weight: fx.Node) -> fx.Node:
+    """The graph input a frozen base weight is read from: through dtype casts (autocast) and, for a
+    quantized base, its decoding (``loracc::dequant_nf4(packed, ...)``: the packed weight). The decoded
+    value stays the op's weight; its backward needs no gradient for it."""
+    root = _uncast(weight)
+    if _is(root, DEQUANT_NF4):
+        root = root.args[0]
+    return root
 
 
 def _uncast(node: fx.Node) -> fx.Node:
@@ -167,7 +177,7 @@ def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_
     # (y, su) on the traced fake values; y is the layer's output, su only goes to the backward.
     fused.meta["val"] = LORA_LINEAR(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
     y.meta["val"] = end.meta["val"]
-    root = _uncast(weight)
+    root = _frozen_weight_root(weight)
     layer = info(root).get("name", root.name)
     for suffix in (".base_layer.weight", ".weight"):
         if layer.endswith(suffix):

@@ -39,9 +39,10 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..errors import LoraccError, Unsupported
 from ..graph import info, output_node, placeholders, role
-from ..ops import LORA_LINEAR
+from ..ops import LORA_LINEAR, RECOMPUTABLE
 from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
@@ -320,8 +321,9 @@ def _save_bytes(node: fx.Node) -> int | None:
 
 def _is_expensive(node: fx.Node) -> bool:
     """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight), and every op
-    outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM) but the cheap ones
+    (``ops.RECOMPUTABLE``: a quantized weight's decoding, recomputed rather than saved)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.target in RECOMPUTABLE:
         return False
     packet = node.target.overloadpacket
     if packet in ATTENTION or node.target.namespace != "aten":
@@ -359,12 +361,13 @@ def _flops(node: fx.Node) -> int | None:
     out = out[0] if isinstance(out, (tuple, list)) else out
     args = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
     packet = node.target.overloadpacket
+    hint = _compat.hint  # symbolic sizes count at the traced shapes
     if packet in ATTENTION:
         query, key = args[0], args[1]
-        return 4 * query.numel() * key.shape[-2]
+        return 4 * hint(query.numel()) * hint(key.shape[-2])
     if packet is aten.convolution:
-        return 2 * out.numel() * args[1][0].numel()
+        return 2 * hint(out.numel()) * hint(args[1][0].numel())
     if packet in GEMMS:
         reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
-        return 2 * out.numel() * reduced.shape[-1]
+        return 2 * hint(out.numel()) * hint(reduced.shape[-1])
     return None

@@ -1,0 +1,126 @@
+"""``NF4Linear``: a frozen linear layer whose weight is stored in NF4, and ``quantize(model)``.
+
+The layer keeps bitsandbytes' tensors (see ``nf4.py``): ``weight`` is the packed uint8 codes (a
+frozen parameter, as bitsandbytes' ``Params4bit``), the quant state is buffers, so ``state_dict``,
+``.to(device)`` and loracc's capture carry them like any weight. Its forward decodes the weight with
+``loracc::dequant_nf4`` and runs ``F.linear`` in ``compute_dtype``: eager, that is QLoRA's
+computation; traced by ``loracc.compile``, the decode is a node of the graph that ``lora_match``
+looks through, and that the backward recomputes instead of saving a decoded copy.
+
+It subclasses ``nn.Linear`` (with ``in_features``/``out_features``) so that PEFT wraps it as any
+linear (``target_modules="all-linear"`` included) and keeps its adapters in fp32 beside the uint8
+weight, as it does over bitsandbytes' ``Linear4bit``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LoraccError
+from ..ops import dequant_nf4
+from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, NF4Weight, quantize_nf4
+
+QUANT_STATE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "nested_offset")
+FORMATS = ("nf4",)
+
+
+class NF4Linear(nn.Linear):
+    """``y = x @ Wᵀ + b`` with a frozen NF4 ``W`` decoded to ``compute_dtype`` at every call.
+
+    Inputs in another dtype are cast to ``compute_dtype`` and the output cast back (bitsandbytes'
+    ``Linear4bit`` does the same). ``.to(dtype)`` leaves the quantized tensors as they are: their
+    format is fixed; only the bias and ``compute_dtype`` are the layer's float state.
+    """
+
+    def __init__(self, q: NF4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a float weight
+        if len(q.shape) != 2:
+            raise LoraccError(f"NF4Linear needs a 2-D weight, got shape {list(q.shape)}")
+        self.out_features, self.in_features = q.shape
+        self.blocksize, self.nested_blocksize = q.blocksize, q.nested_blocksize
+        self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(q.packed, requires_grad=False)
+        self.register_buffer("absmax", q.absmax)
+        self.register_buffer("quant_map", q.quant_map)
+        self.register_buffer("nested_absmax", q.nested_absmax)
+        self.register_buffer("nested_quant_map", q.nested_quant_map)
+        self.register_buffer("nested_offset", q.offset)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, double_quant: bool = True, compute_dtype: torch.dtype | None = None,
+                    blocksize: int = BLOCKSIZE, nested_blocksize: int = NESTED_BLOCKSIZE) -> "NF4Linear":
+        q = quantize_nf4(linear.weight, double_quant=double_quant, blocksize=blocksize, nested_blocksize=nested_blocksize)
+        return cls(q, linear.bias, compute_dtype or linear.weight.dtype)
+
+    @property
+    def format(self) -> str:
+        """How the weight is stored, for ``explain``."""
+        nested = f", absmax in 8 bits per {self.nested_blocksize}" if self.nested_absmax is not None else ""
+        return f"nf4 (blocks of {self.blocksize}{nested}), computed in {str(self.compute_dtype).removeprefix('torch.')}"
+
+    def quantized(self) -> NF4Weight:
+        return NF4Weight(self.weight.data, self.absmax, self.quant_map, (self.out_features, self.in_features),
+                         self.compute_dtype, self.blocksize, self.nested_absmax, self.nested_quant_map,
+                         self.nested_offset, self.nested_blocksize)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequant_nf4(self.weight, self.absmax, self.quant_map, self.nested_absmax, self.nested_quant_map,
+                           self.nested_offset, [self.out_features, self.in_features], self.blocksize,
+                           self.nested_blocksize, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(), self.bias)
+        return y.to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        """Moves between devices apply to the quant state; dtype conversions do not (it stays fp32/uint8)."""
+        kept = {name: self._buffers[name] for name in QUANT_STATE if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {self.format}"
+
+
+def quantize(model: nn.Module, format: str = "nf4", *, double_quant: bool = True,
+             compute_dtype: torch.dtype | None = None, include_lm_head: bool = False,
+             skip: tuple[str, ...] = ()) -> nn.Module:
+    """Replace the frozen ``nn.Linear`` layers of ``model`` by NF4 ones, in place; returns ``model``.
+
+    Quantized: every ``nn.Linear`` whose weight does not require a gradient, inside PEFT LoRA layers
+    (their ``base_layer``) or not, except the output projection (``lm_head`` and any linear whose
+    weight is tied to an embedding) unless ``include_lm_head``, and modules whose path contains one
+    of ``skip``. LoRA weights and trainable linears stay as they are; call it before or after
+    ``peft.get_peft_model`` (before: freeze the base first, e.g. ``model.requires_grad_(False)``,
+    since a fresh model's weights all require a gradient). ``compute_dtype`` (default: each weight's
+    dtype) is what the decoded weights and their GEMMs use. Run it before ``loracc.compile``.
+    """
+    if format not in FORMATS:
+        raise LoraccError(f"loracc.quantize: format {format!r} is not supported; choose one of {list(FORMATS)}")
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    targets = []
+    for path, module in model.named_modules():
+        for name, child in module.named_children():
+            full = f"{path}.{name}" if path else name
+            if type(child) is not nn.Linear or child.weight.requires_grad:
+                continue
+            if "lora_" in full or any(s in full for s in skip):
+                continue
+            if not include_lm_head and (name == "lm_head" or id(child.weight) in tied):
+                continue
+            targets.append((module, name, child))
+    if not targets:
+        raise LoraccError(
+            "loracc.quantize found no frozen nn.Linear to quantize: freeze the base weights first "
+            "(peft.get_peft_model does; or model.requires_grad_(False) before adding adapters)"
+        )
+    for parent, name, linear in targets:
+        setattr(parent, name, NF4Linear.from_linear(linear, double_quant=double_quant, compute_dtype=compute_dtype))
+    return model
