@@ -82,6 +82,62 @@ def test_key_covers_source_and_environment(monkeypatch):
     assert cache.store_kernel(GEMM.name, GEMM.source(), CPU).key != base
 
 
+def test_folders_and_entries_are_private_to_the_user(cache_dir):
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    cache.store_choice({"kernel": GEMM.name}, "cublas", {"cublas": 1.0})
+    for folder in (cache_dir, cache_dir / "kernels", cache_dir / "autotune"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    files = [entry.source_path, entry.source_path.with_suffix(".json"), *(cache_dir / "autotune").glob("*.json")]
+    assert len(files) == 3
+    for path in files:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_an_entry_others_may_write_is_warned_about_and_rewritten(cache_dir):
+    """A planted entry (another kernel's code under this kernel's name, its metadata consistent
+    with it) that group may write to: never read, warned about, rewritten from the real source."""
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    meta_path = entry.source_path.with_suffix(".json")
+    planted = GEMM.source().replace("tl.dot", "-tl.dot", 1)
+    entry.source_path.write_text(planted)
+    meta_path.write_text(json.dumps({**entry.meta, "sha256": cache._digest(planted)}))
+    for path in (entry.source_path, meta_path):
+        path.chmod(0o664)
+    with pytest.warns(UserWarning, match=r"ignoring cache entry .*writable by group or others \(mode 664\)"):
+        rebuilt = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    assert rebuilt.source_path.read_text() == GEMM.source()
+    for path in (entry.source_path, meta_path):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_a_private_entry_holding_other_code_is_rewritten(cache_dir):
+    """The file must hold the very source asked for, even when its metadata agrees with it."""
+    entry = cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    planted = GEMM.source().replace("tl.dot", "-tl.dot", 1)
+    cache.atomic_write(entry.source_path, planted)
+    cache.atomic_write(entry.source_path.with_suffix(".json"), json.dumps({**entry.meta, "sha256": cache._digest(planted)}))
+    assert cache.store_kernel(GEMM.name, GEMM.source(), CPU).source_path.read_text() == GEMM.source()
+
+
+@pytest.mark.parametrize("folder", ["", "kernels"])
+def test_a_cache_folder_others_may_write_is_refused_with_the_remedy(cache_dir, folder):
+    cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    (cache_dir / folder).chmod(0o775)
+    with pytest.raises(LoraccError, match=rf"{cache_dir / folder}.* is writable by group or others \(mode 775\).*"
+                                          rf"chmod 700 {cache_dir / folder}.*LORACC_CACHE_DIR"):
+        cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    (cache_dir / folder).chmod(0o700)
+    assert cache.store_kernel(GEMM.name, GEMM.source(), CPU).source_path.read_text() == GEMM.source()
+
+
+def test_a_cache_folder_of_another_user_is_refused(cache_dir, monkeypatch):
+    cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+    other = os.getuid() + 1
+    monkeypatch.setattr(os, "getuid", lambda: other)
+    with pytest.raises(LoraccError, match=rf"{cache_dir}.* belongs to user id {other - 1}, not to you \(user id {other}\)"):
+        cache.store_kernel(GEMM.name, GEMM.source(), CPU)
+
+
 def _python(code: str, cache_dir: Path) -> str:
     env = {**os.environ, "LORACC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120)

@@ -15,6 +15,15 @@ Writes go to a temporary file in the same folder and are renamed into place (ato
 processes compiling the same kernel at once each write a whole file, and a reader sees the old or
 the new file, never a part. An entry that does not check out (missing metadata, a source whose
 hash differs, unreadable JSON) is rebuilt, never trusted.
+
+The cache holds code that is run (kernel sources, the trace cache's graphs) and decisions that are
+followed (autotuning choices), so only the user may write to it. ``cache_folder`` creates its
+folders private to the user (mode 0700) and refuses, with a ``LoraccError``, a folder that another
+user owns or that group or others may write to: anyone who can write there can make this process
+run their code, and the user has to fix the folder (or choose another ``LORACC_CACHE_DIR``).
+An entry file another user owns or that group or others may write to (left from a time the folder
+was open) is never read: it is warned about and rewritten, as a damaged entry is. Entries are
+written private to the user (mode 0600). The folders above the cache directory are not checked.
 """
 from __future__ import annotations
 
@@ -24,10 +33,13 @@ import os
 import sys
 import tempfile
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..errors import LoraccError
 
 
 def cache_dir() -> Path:
@@ -36,6 +48,49 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "loracc"
+
+
+def cache_folder(name: str) -> Path:
+    """``cache_dir() / name``, the cache directory and the folder each created private to the user
+    (mode 0700) where missing; ``LoraccError`` where one exists that is not the user's alone."""
+    root = cache_dir()
+    for folder in (root, root / name):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # missing parents: made as by mkdir -p
+        problem = _not_private(os.stat(folder))
+        if problem:
+            raise LoraccError(
+                f"the loracc cache directory {folder} {problem}: whoever can write there can make loracc "
+                f"run their code. Make it yours alone (chmod 700 {folder}), or set LORACC_CACHE_DIR to a "
+                "directory only you can write to")
+    return root / name
+
+
+def _not_private(stat: os.stat_result) -> str | None:
+    """Why a file or folder with ``stat`` is not the user's alone, or None."""
+    if stat.st_uid != os.getuid():
+        return f"belongs to user id {stat.st_uid}, not to you (user id {os.getuid()})"
+    if stat.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.st_mode & 0o777:o})"
+    return None
+
+
+def read_private(path: Path) -> str | None:
+    """The text of the cache entry ``path``; None when it is missing, unreadable or a symbolic link,
+    and, with a warning, when another user owns it or group or others may write to it: such an entry
+    is never read, and is rewritten as a damaged one is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, encoding="utf-8") as f:
+        problem = _not_private(os.fstat(fd))
+        if problem:
+            warnings.warn(f"loracc: ignoring cache entry {path}: it {problem}; it is rebuilt", stacklevel=2)
+            return None
+        try:
+            return f.read()
+        except (OSError, UnicodeDecodeError):
+            return None
 
 
 def device_description(device: torch.device) -> str:
@@ -57,8 +112,9 @@ def _digest(*parts: str) -> str:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that no reader ever sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``text`` to ``path`` so that no reader ever sees a partial file; the file is the
+    user's alone (mode 0600: ``mkstemp`` creates it so, and the rename keeps it)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -72,10 +128,12 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``, or None when it is missing, truncated or not an object."""
+    """The JSON object in the cache entry ``path``, or None when it is missing, truncated, not an
+    object or not the user's alone (``read_private``)."""
+    text = read_private(path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(text) if text is not None else None
+    except ValueError:
         return None
     return data if isinstance(data, dict) else None
 
@@ -91,7 +149,7 @@ class Entry:
 
 
 def entry_paths(name: str, key: str) -> tuple[Path, Path]:
-    folder = cache_dir() / "kernels"
+    folder = cache_folder("kernels")
     return folder / f"{name}-{key}.py", folder / f"{name}-{key}.json"
 
 
@@ -101,7 +159,8 @@ def store_kernel(name: str, source: str, device: torch.device) -> Entry:
     key = _digest(source, json.dumps(env, sort_keys=True))[:20]
     source_path, meta_path = entry_paths(name, key)
     meta = read_json(meta_path)
-    if not (meta and _source_ok(source_path, meta) and meta.get("key") == key):
+    # The file must hold this very source: Triton reads the kernel's code back from it.
+    if not (meta and meta.get("key") == key and meta.get("sha256") == _digest(source) and _source_ok(source_path, meta)):
         meta = {"name": name, "key": key, "sha256": _digest(source), **env}
         atomic_write(source_path, source)
         atomic_write(meta_path, json.dumps(meta, indent=1))
@@ -109,10 +168,8 @@ def store_kernel(name: str, source: str, device: torch.device) -> Entry:
 
 
 def _source_ok(path: Path, meta: dict) -> bool:
-    try:
-        return _digest(path.read_text()) == meta.get("sha256")
-    except (OSError, UnicodeDecodeError):
-        return False
+    text = read_private(path)
+    return text is not None and _digest(text) == meta.get("sha256")
 
 
 _loaded: dict[str, object] = {}
@@ -136,7 +193,7 @@ def load_kernel(name: str, source: str, device: torch.device):
 def entries() -> list[Entry]:
     """Every valid kernel entry in the cache, by name."""
     found = []
-    for meta_path in sorted((cache_dir() / "kernels").glob("*.json")):
+    for meta_path in sorted(cache_folder("kernels").glob("*.json")):
         meta = read_json(meta_path)
         source_path = meta_path.with_suffix(".py")
         if meta and "name" in meta and "key" in meta and _source_ok(source_path, meta):
@@ -145,7 +202,7 @@ def entries() -> list[Entry]:
 
 
 def autotune_path(description: dict) -> Path:
-    return cache_dir() / "autotune" / f"{_digest(json.dumps(description, sort_keys=True))[:24]}.json"
+    return cache_folder("autotune") / f"{_digest(json.dumps(description, sort_keys=True))[:24]}.json"
 
 
 def load_choice(description: dict) -> dict | None:
