@@ -1,13 +1,12 @@
 """The trace cache: a region's graphs up to the joint, kept on disk so that a later process skips tracing.
 
 Tracing a region and differentiating it (``capture_forward``, the forward passes, ``derive_joint``)
-is most of the host time of a first step whose kernels are cached already: 1.4-1.6 s of a 3.1-3.3 s
-first forward + backward of Llama-3.2-1B on an H100 host (2026-11-23, ``python
-benchmarks/first_call_host.py --device cuda``, ``benchmarks/results/first_call_host_h100_2026-11-23.md``).
-``compile_call`` looks the traced graphs up here first. An entry holds the captured graph, each
-forward pass's graph and report, and the joint graph: every node with its target, arguments, loracc
-annotations and the shape, strides, dtype and device of its value (rebuilt as fake tensors when
-loaded). The stages after the joint (remat onwards) run again: they depend on the memory budget.
+is most of the host time of a first step whose kernels are cached already (measured: see
+docs/decisions/). ``compile_call`` looks the traced graphs up here first. An entry holds the
+captured graph, each forward pass's graph and report, and the joint graph: every node with its
+target, arguments, loracc annotations and the shape, strides, dtype and device of its value
+(rebuilt as fake tensors when loaded). The stages after the joint (remat onwards) run again: they
+depend on the memory budget.
 
 An entry is used only when everything its trace depended on is as it was (``trace_key``):
 
@@ -28,16 +27,26 @@ environment variables the model's code reads while tracing) is not seen: set
 does not cover (a constant tensor, an unknown target) is traced every time, and says why in its
 ``trace_cache`` report. Entries are JSON files under ``<cache dir>/graphs/``, written atomically;
 one that cannot be read back is traced again and rewritten.
+
+An entry is data, never code: its nodes name what they call, and only what loracc's traces call
+can be named: operators of the ``aten``, ``prims`` and ``loracc`` namespaces (less the few that
+touch files: ``FILE_OPS``) and the Python functions torch.fx puts in graphs (``FUNCTIONS``:
+``operator.getitem``, arithmetic on sizes). Nothing is imported to read an entry. An entry naming
+anything else (planted, or from another loracc) is refused with a warning and traced again; a trace
+that calls something else is not cached. The folder is private to the user
+(``codegen.cache.cache_folder``), and an entry others may write to is never read.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
+import math
+import operator
 import os
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,7 +56,7 @@ from torch import nn
 
 from . import _compat
 from .capture import NOT_PLAIN, CallSignature, CapturedForward, module_fingerprint, plain_value
-from .codegen.cache import atomic_write, cache_dir, read_json
+from .codegen.cache import atomic_write, cache_folder, read_json
 
 log = logging.getLogger("loracc")
 
@@ -68,6 +77,28 @@ class Uncacheable(Exception):
     """A trace this cache cannot key or write (the message says what)."""
 
 
+class Refused(ValueError):
+    """An entry that names something a loracc trace never calls: it is not used."""
+
+
+# What a cached graph may call. Operators: by namespace, less those that read or write files.
+OP_NAMESPACES = ("aten", "prims", "loracc")
+FILE_OPS = ("aten::from_file", "aten::save", "aten::_print")
+# Python functions: those torch.fx and symbolic shapes put in graphs, by (module, qualname).
+FUNCTIONS = {
+    (f.__module__, f.__qualname__): f
+    for f in [
+        *(getattr(operator, name) for name in (
+            "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs",
+            "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift", "rshift")),
+        math.ceil, math.floor, math.trunc, math.sqrt,
+        *(getattr(torch, name) for name in (
+            "sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite", "sym_sum", "_sym_sqrt")
+          if hasattr(torch, name)),
+    ]
+}
+
+
 def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: Callable[[], Traced]) -> tuple[Traced, dict]:
     """``trace()``'s result, from the cache when an entry for this call is valid; and a report:
     ``{"hit": bool, "entry": file}``, or ``{"hit": False, "why": ...}`` when nothing was cached."""
@@ -75,7 +106,7 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
         return trace(), {"hit": False, "why": "LORACC_TRACE_CACHE=0"}
     try:
         packages = _packages(module)
-        entry = cache_dir() / "graphs" / f"{trace_key(module, path, signature)}.json"
+        entry = cache_folder("graphs") / f"{trace_key(module, path, signature)}.json"
     except Uncacheable as exc:
         return trace(), {"hit": False, "why": str(exc)}
     data = read_json(entry)
@@ -85,6 +116,8 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
             if changed is None:
                 return decode(data), {"hit": True, "entry": str(entry)}
             log.info("loracc: %s changed since the trace in %s; tracing again", changed, entry)
+        except Refused as exc:
+            warnings.warn(f"loracc: refusing trace cache entry {entry}: {exc}; the region is traced again", stacklevel=2)
         except Exception as exc:  # noqa: BLE001 - an entry that does not read back is traced again
             log.info("loracc: trace cache entry %s is unreadable (%s: %s); tracing again", entry, type(exc).__name__, exc)
     traced = trace()
@@ -333,26 +366,32 @@ def _target(node: fx.Node):
     if node.op != "call_function":
         return target
     if isinstance(target, torch._ops.OpOverload):
-        return {"$": "op", "name": target._schema.name, "overload": target._overloadname}
-    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
-    if module and qualname:
-        encoded = {"$": "function", "module": module, "qualname": qualname}
-        try:
-            if _load_target(encoded) is target:
-                return encoded
-        except Exception:  # noqa: BLE001 - not importable by its name: said below
-            pass
-    raise Uncacheable(f"node {node.name} calls {target!r}, which cannot be found again by its name")
+        encoded = {"$": "op", "name": target._schema.name, "overload": target._overloadname}
+    else:
+        encoded = {"$": "function", "module": getattr(target, "__module__", None), "qualname": getattr(target, "__qualname__", None)}
+    try:
+        if _load_target(encoded) is target:
+            return encoded
+    except Refused:
+        pass
+    raise Uncacheable(f"node {node.name} calls {target!r}, which the trace cache does not keep "
+                      f"(it keeps {', '.join(OP_NAMESPACES)} operators and torch.fx's size arithmetic)")
 
 
 def _load_target(data: dict):
-    if data["$"] == "op":
-        namespace, name = data["name"].split("::")
-        return getattr(getattr(getattr(torch.ops, namespace), name), data["overload"])
-    value = importlib.import_module(data["module"])
-    for part in data["qualname"].split("."):
-        value = getattr(value, part)
-    return value
+    """What an entry's node calls: an allowed operator or function (``FUNCTIONS``), else ``Refused``."""
+    if data.get("$") == "op":
+        name, overload = data.get("name"), data.get("overload")
+        namespace, _, op = name.partition("::") if isinstance(name, str) else ("", "", "")
+        if namespace in OP_NAMESPACES and name not in FILE_OPS and op.isidentifier() and isinstance(overload, str):
+            found = getattr(getattr(getattr(torch.ops, namespace), op, None), overload, None)
+            if isinstance(found, torch._ops.OpOverload):
+                return found
+        raise Refused(f"it names the operator {name!r}.{overload!r}, which a loracc trace never calls")
+    key = (data.get("module"), data.get("qualname"))
+    if data.get("$") == "function" and key in FUNCTIONS:
+        return FUNCTIONS[key]
+    raise Refused(f"it names {'.'.join(map(str, key))!r}, which a loracc trace never calls")
 
 
 class _Values:
@@ -414,7 +453,7 @@ class _FakeValues:
         if self.tensors[index] is None:
             shape, stride, offset, dtype, device, requires_grad, storage = self.described[index]
             self.tensors[index] = _compat.fake_tensor(self.mode, self.storages[storage], shape, stride, offset,
-                                                      getattr(torch, dtype), torch.device(device), requires_grad)
+                                                      _torch_attribute(dtype, torch.dtype), torch.device(device), requires_grad)
         return self.tensors[index]
 
     def decode(self, data, env: dict | None = None):
@@ -434,9 +473,17 @@ class _FakeValues:
         if tag == "float":
             return float(v)
         if tag in ("dtype", "layout", "memory_format"):
-            return getattr(torch, v)
+            return _torch_attribute(v, getattr(torch, tag))
         if tag == "device":
             return torch.device(v)
         if tag == "slice":
             return slice(*(self.decode(x, env) for x in v))
         raise ValueError(f"unknown tag {tag!r}")
+
+
+def _torch_attribute(name: str, kind: type):
+    """``torch.<name>``, which must be a ``kind`` (a dtype, layout or memory format); else ``Refused``."""
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, kind):
+        raise Refused(f"it names torch.{name} where a {kind.__name__} belongs")
+    return value

@@ -271,3 +271,54 @@ def test_an_attribute_without_a_stable_description_is_not_cached(cache_dir):
 
 def print_options():
     pass
+
+
+PLANTED = {
+    "os.system": lambda node, data: node.update(target={"$": "function", "module": "os", "qualname": "system"},
+                                                args=["echo planted"], kwargs={"$": "dict", "v": {}}),
+    "aten::from_file": lambda node, data: node.update(target={"$": "op", "name": "aten::from_file", "overload": "default"}),
+    "a torch function as a dtype": lambda node, data: data["tensors"][0].__setitem__(3, "load"),
+}
+
+
+@pytest.mark.parametrize("planted", list(PLANTED))
+def test_an_entry_naming_what_a_trace_never_calls_is_refused_never_called(cache_dir, monkeypatch, planted):
+    """A planted entry names ``os.system`` (with an argument from the JSON), an operator that opens
+    files, or a torch function where a dtype belongs: the entry is refused with a warning, nothing
+    it names is called, the region is traced again and its entry rewritten."""
+    cold = step()
+    calls = []
+    monkeypatch.setattr(os, "system", lambda *args: calls.append(args))
+    for entry in (cache_dir / "graphs").glob("*.json"):
+        data = json.loads(entry.read_text())
+        node = next(n for n in data["stages"]["joint"]["nodes"] if n["op"] == "call_function")
+        PLANTED[planted](node, data)
+        entry.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="refusing trace cache entry .*a loracc trace never calls|where a dtype belongs") as caught:
+        again = step()
+    assert len([w for w in caught if "refusing trace cache entry" in str(w.message)]) == 3
+    assert calls == []
+    assert [r["hit"] for r in again["reports"]] == [False, False, False]
+    assert again["loss"] == cold["loss"]
+    for name, grad in cold["grads"].items():
+        assert torch.equal(again["grads"][name], grad), name
+    assert [r["hit"] for r in step()["reports"]] == [True, True, True]  # rewritten
+
+
+def test_a_trace_calling_a_function_outside_the_allow_list_is_not_cached():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(os.path.join, (x, "y")))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    traced = Traced(CapturedForward(gm=gm, param_names=[], out_spec=loracc._compat.tree_flatten([0])[1]), {"captured": gm}, {})
+    with pytest.raises(Uncacheable, match="calls <function join.*which the trace cache does not keep"):
+        trace_cache.encode(traced)
+
+
+def test_the_graphs_folder_is_private_and_an_open_one_is_refused(cache_dir):
+    step()
+    assert (cache_dir / "graphs").stat().st_mode & 0o777 == 0o700
+    assert {e.stat().st_mode & 0o777 for e in (cache_dir / "graphs").glob("*.json")} == {0o600}
+    (cache_dir / "graphs").chmod(0o777)
+    with pytest.raises(loracc.LoraccError, match="writable by group or others.*chmod 700"):
+        step()
