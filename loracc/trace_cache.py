@@ -1,8 +1,8 @@
 """The trace cache: a region's graphs up to the joint, kept on disk so that a later process skips tracing.
 
 Tracing a region and differentiating it (``capture_forward``, the forward passes, ``derive_joint``)
-is most of the host time of a first step whose kernels are cached already (measured: see
-docs/decisions/). ``compile_call`` looks the traced graphs up here first. An entry holds the
+is most of the host time of a first step whose kernels are cached already (measured: decision
+note 005). ``compile_call`` looks the traced graphs up here first. An entry holds the
 captured graph, each forward pass's graph and report, and the joint graph: every node with its
 target, arguments, loracc annotations and the shape, strides, dtype and device of its value
 (rebuilt as fake tensors when loaded). The stages after the joint (remat onwards) run again: they
