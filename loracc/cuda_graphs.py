@@ -1,57 +1,41 @@
 """Replaying a compiled graph as a CUDA graph: one launch instead of hundreds of Python-issued kernels.
 
-A region's forward or backward runs the same kernels on the same shapes at every call; only the
-tensors differ. ``Graphed`` captures the function into a CUDA graph over a fixed set of input
-tensors; at each call it copies the call's inputs into those it does not share with the caller,
-replays, and hands back fresh copies of the outputs that the next replay would overwrite.
-
-Two kinds of graph, by what they copy:
-
-- **Per layer** (the normal training call): every layer of a block gets its own forward graph,
-  captured over that layer's own weights (its parameters are read in place: never copied), and its
-  own backward graph, captured over what that layer's forward graph saved. The forward hands the
-  tensors it saves for the backward out of its static outputs without copying them (*lends* them,
-  ``Lease``); the backward reads them where they are. Only the activations that flow between
-  layers are copied in and out. With one graph shared by every layer, which copied weights and
-  saved activations in and out, a profile of a Qwen2-0.5B step on an H100 (2026-11-22,
-  ``benchmarks/profile_step.py --workload qwen2-0.5b --method loracc``) counted ~2,300
-  device-to-device copies per step, ~12 ms of GPU time.
-- **Copy** (one graph shared by every layer, every input copied in and every output copied out):
-  for calls whose saved tensors go through saved-tensor hooks (gradient checkpointing), which the
-  per-layer graphs cannot lend to, and for a backward whose forward was not replayed per layer.
-
-Memory: every graph of a model captures into one shared pool (``SharedPool``), so their
-workspaces overlap: the graphs never run at once, and a graph's temporaries are dead when it
-returns. A lent output must survive other graphs' replays until its backward has read it. Within
-the pool, a graph's outputs can only have been placed where graphs captured *before* it keep their
-temporaries (while a graph holds its outputs, no later capture is given that memory). So a graph may
-replay only while every lent output comes from a graph captured before it (``SharedPool.may_replay``);
-otherwise it is captured again (it then comes after them) or, past ``max_captures``, runs from
-Python. A training loop settles within two steps into the order forwards 0..n then backwards n..0,
-in which no replay ever waits. A lease is released by its backward (or when autograd drops the
-call's context); a second backward through the same call (``retain_graph=True``) checks that no
-replay has overwritten the lent outputs since (``Lease.intact``) and otherwise raises. An output
-that is not lent (a layer's hidden states, the gradient of its input) is written, last, into the
-buffer one of the graph's copied inputs of its shape went to (``routes``), and copied out from
-there: no graph keeps memory of its own for it.
-
-``Replayer`` decides per graph, after its first call (which compiles and autotunes); the Triton
-backend gives one to each graph of a repeated block (and with ``cuda_graphs=True`` to every graph):
+``Graphed`` captures a function over a fixed set of input tensors; each call copies the call's
+inputs into those it does not share with the caller, replays, and hands back the outputs (copies of
+those the next replay would overwrite). ``Replayer`` runs a graph from Python at its first call and
+decides, per graph, whether later calls replay (policy: docs/decisions/001-cuda-graph-policy.md):
 
 - ``mode="on"``: capture from the second call on and replay;
-- ``mode="auto"``: time the second and third calls run from Python (kernel launches included,
-  synchronized), then capture, time the replay (best of three), and keep graphs only if a replay
-  takes at most ``KEEP_BELOW`` of the faster Python call: a step bound by launching kernels (small
-  hidden sizes) gains, a GPU-bound one would only pay the copies. Two Python calls, because one
-  taken in the first step can include the caching allocator growing (on an H100, one such call made
-  a Llama-3.2-1B layer look 1.28× slower than a replay). A backward given ``after=`` its forward
-  waits for the forward's decision and tries only if that forward kept its graphs (so a GPU-bound
-  model never captures its backward, where the step's memory peaks); it then decides for the pair,
-  forward and backward times added: a Llama-3.2-1B layer's forward is bound by launching its
-  kernels, its backward by the GPU, and the step gains from the pair (on an H100, 2026-11-22: +3.5%
-  tokens/s). Until the backward decides, the forward replays only the layer it measured;
-  if the backward stays in Python, the forward drops its graphs too (forward graphs alone would keep
-  every layer's saved tensors in the pool, apart from the memory the backward allocates).
+- ``mode="auto"``: time Python calls (``PYTHON_TIMINGS``, the fastest counts) against replays, and
+  keep graphs where a replay takes at most ``KEEP_BELOW`` of the Python time. A backward given
+  ``after=`` its forward waits for the forward's decision, tries only if the forward kept its
+  graphs, and decides for the pair (times added); a forward whose backward stays in Python drops
+  its graphs too. Until the backward decides, the forward replays only the layer it measured.
+
+Two kinds of graph:
+
+- **Per layer** (a normal training call): each layer has its own forward graph, captured over its
+  own weights (read in place, never copied), and its own backward graph, captured over what that
+  forward graph saved. The forward *lends* the tensors it saves (``Lease``): the backward reads
+  them where they are. Only the activations flowing between layers are copied in and out.
+- **Copy** (one graph shared by every layer, every input copied in and every output out): for calls
+  whose saved tensors go through saved-tensor hooks (gradient checkpointing), and for a backward
+  whose forward was not replayed per layer.
+
+Invariants:
+
+- Every graph of a model captures into one ``SharedPool``: the graphs never run at once, and a
+  graph's temporaries are dead when it returns, so their workspaces overlap.
+- A lent output must survive other replays until its backward read it. A graph's outputs can only
+  have been placed where graphs captured *before* it keep their temporaries, so a graph replays only
+  while every lent output comes from a graph captured before it (``SharedPool.may_replay``);
+  otherwise it is captured again or, past ``max_captures``, runs from Python. A training loop
+  settles into forwards 0..n then backwards n..0, in which no replay waits.
+- A lease is released by its backward (or when autograd drops the call's context); a second
+  backward through the same call (``retain_graph=True``) checks ``Lease.intact`` and otherwise raises.
+- An output that is not lent (hidden states, an input's gradient) is written, last, into the buffer
+  a copied input of its shape went to (``routes``) and copied out from there: no graph keeps memory
+  of its own for it. Copied inputs go to buffers every graph of the pool shares (``copy_buffers``).
 """
 from __future__ import annotations
 
@@ -88,8 +72,7 @@ class SharedPool:
 
     def warm_up_stream(self) -> torch.cuda.Stream:
         """One side stream for every warm-up before a capture: cuBLAS keeps a workspace per stream it
-        ran on, and a new stream per capture drew up to 32 of PyTorch's pooled streams, each with its
-        own: Qwen2-0.5B's steady-state peak was 9.34 GB with a stream per capture, 7.80 GB with one."""
+        ran on (docs/decisions/007-one-stream-for-captures.md)."""
         if self._side is None:
             self._side = torch.cuda.Stream()
         return self._side
@@ -417,8 +400,7 @@ def routes(inputs: list, outputs: list, in_place, lend_from: int) -> dict[int, i
     """Which outputs a graph writes into which of its copied inputs' buffers, ``{output: input}``.
 
     An output that is not lent is copied out after every replay; a graph that kept it in memory of
-    its own would hold it for good (every layer's graph its own: a Llama-3.2-1B layer's hidden states,
-    32 MiB, forward and backward, 16 layers). Written into the buffer that a copied input of the same
+    its own would hold it for good (every layer's forward and backward graph one hidden state each). Written into the buffer that a copied input of the same
     shape and dtype was copied into (its last reader comes before), the output takes no memory of its
     own. Not into an input that another output views (a lent tensor, say), nor an output that is an
     input passed through. Works on real and fake tensors alike (the predicted peak uses it)."""
@@ -446,9 +428,8 @@ def share_decisions(first, second) -> None:
     other layers) run the same kernels at the same shapes: the first of a stage to decide decides
     for both. Otherwise the program called once a step would measure a step later than the other
     and capture its graph after theirs: a forward graph captured after the others lends outputs that
-    their replays could overwrite, so every layer's graphs would be captured again (on an H100,
-    2026-11-23, Llama-3.2-1B: 31 captures in the third step and its whole-run peak +0.14 GiB over the steady
-    state). ``first`` and ``second``: the two programs."""
+    their replays could overwrite, so every layer's graphs would be captured again
+    (docs/decisions/001-cuda-graph-policy.md). ``first`` and ``second``: the two programs."""
     for stage in ("forward", "backward"):
         a, b = getattr(first, stage), getattr(second, stage)
         if isinstance(a, Replayer) and isinstance(b, Replayer) and a.mode == b.mode == "auto":
