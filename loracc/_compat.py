@@ -87,8 +87,8 @@ def meta_storage(nbytes: int):
 
 def fake_tensor(mode, storage, shape, stride, offset: int, dtype: torch.dtype, device: torch.device, requires_grad: bool):
     """A fake tensor of ``mode`` on ``device``: a view of the meta ``storage`` with this layout, made
-    without dispatching ``empty_strided`` through the fake mode (host time per tensor 21 µs against
-    108 µs, torch 2.13 on a 2-core CPU, 2026-11-23: a decoder layer's entry holds ~450 of them)."""
+    without dispatching ``empty_strided`` through the fake mode, which costs several times more host
+    time per tensor (docs/decisions/005-trace-cache-key.md)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     meta = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)

@@ -11,6 +11,7 @@ launched from Python where it cannot.
 Candidates must compute the same result (their tests check that against the reference); one that
 fails to compile or launch (too much shared memory for a config, say) is left out, with the error
 kept in the record. Under the Triton interpreter nothing is timed: the first candidate runs.
+Which candidates exist, and why they are timed this way: docs/decisions/004-autotune-candidates.md.
 """
 from __future__ import annotations
 
@@ -95,10 +96,9 @@ def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
     None where it cannot be: a capture already in progress, or ``fn`` doing what a capture forbids.
 
     It captures on PyTorch's one capture stream, which loracc's own graphs use too: cuBLAS keeps a
-    workspace for every stream it runs on (a new stream per capture held ~1.4 GiB more on
-    Llama-3.2-1B: H100, 2026-11-23, benchmarks/results/bench-2026-11-23-h100-graph-timed-streams.json
-    against -graph-timed.json). ``torch.cuda.graph`` is not used: it collects garbage and empties the allocator's
-    cache before every capture, work repeated for every candidate of a first step.
+    workspace for every stream it runs on (docs/decisions/007-one-stream-for-captures.md).
+    ``torch.cuda.graph`` is not used: it collects garbage and empties the allocator's cache before
+    every capture, work repeated for every candidate of a first step.
     """
     if torch.cuda.is_current_stream_capturing():
         return None

@@ -45,9 +45,9 @@ class Config:
 
 
 # Candidates for the autotuner on a GPU. Every config costs a Triton compile per shape on the
-# first step, so the set is the tiles that won somewhere at the ANCHORS shapes on an H100 (wide
-# tiles; benchmarks/results/lora_linear_h100.md) plus one narrow tile for small N (k/v projections
-# of grouped-query attention); cuBLAS is always a candidate besides.
+# first step, so the set is the wide tiles that won where measured plus one narrow tile for small N
+# (k/v projections of grouped-query attention); cuBLAS is always a candidate besides
+# (docs/decisions/004-autotune-candidates.md).
 GPU_CONFIGS = (
     Config(128, 256, 64, 8, 8, 3),
     Config(128, 256, 64, 8, 8, 4),
@@ -149,9 +149,9 @@ class LoraGemm:
     def rows_aligned(self) -> bool:
         """Whether every row of every operand starts on 16 bytes.
 
-        With 16-bit operands whose rows were not known to be aligned (out_features = 40, the row
-        stride then a run-time argument), Triton 3.6 produced a wrong input gradient on an H100;
-        the row stride is now a constant of the kernel, and unaligned layers still go to cuBLAS.
+        With 16-bit operands whose rows were not known to be aligned (the row stride then a run-time
+        argument), Triton 3.6 produced a wrong input gradient; the row stride is a constant of the
+        kernel, and unaligned layers go to cuBLAS.
         """
         return rows_on_16_bytes(self.dtype, self.in_features, self.out_features)
 
@@ -173,7 +173,7 @@ class LoraGemm:
             raise ValueError(f"{self.name}: u= is required (the rank-r product it {'reads' if self.lora_in == 'loaded' else 'writes'})")
         m = a.shape[0]
         # The main loop reads B (grad_input) from a contiguous Bᵀ, along K as it reads A forward: read
-        # along the rank instead, Triton 3.6 computed a wrong dU in 16-bit on an H100 (test_grad_input_kernel).
+        # along the rank instead, Triton 3.6 computed a wrong dU in 16-bit (test_grad_input_kernel).
         p = p.t() if self.use == "grad_input" else p
         args = self._arguments(a.contiguous(), weight.contiguous(), p.contiguous(), q.contiguous(), out, bias, u, lora_out)
         n = self.out_features if self.use == "forward" else self.in_features

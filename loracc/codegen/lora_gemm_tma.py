@@ -3,11 +3,10 @@
     forward      y  = x  @ Wᵀ (+ bias) + su @ Bᵀ,   su = s·x@Aᵀ  (or s·drop(x)@Aᵀ), computed before
     grad_input   dX = dY @ W           + dU @ A,    dU = s·dY@B, computed before
 
-A persistent kernel whose tiles come through tensor descriptors. The rank-r term comes in its
-epilogue, read from ``su``/``dU`` that a cuBLAS GEMM computed first, not from the main loop (where
-the rank-r product slowed the same kernel down on an H100). It is one of the autotuner's candidates
-beside the pointer-based template and cuBLAS; what it reached, and the experiment behind its design,
-are in benchmarks/results/lora_linear_h100.md.
+A persistent kernel whose tiles come through tensor descriptors (sm90+). The rank-r term comes in
+its epilogue, read from ``su``/``dU`` that a cuBLAS GEMM computed first, not from its main loop
+(docs/decisions/003-tma-main-loop-dropped.md). It is one of the autotuner's candidates beside the
+pointer-based template and cuBLAS.
 
 Device-side descriptors need scratch memory at launch: loracc gives Triton an allocator that takes
 it from PyTorch (``triton.set_allocator``) unless one is already set.
@@ -25,11 +24,8 @@ from .render import render
 
 Tensor = torch.Tensor
 
-# The tile that was fastest for both uses at every shape it was timed at on an H100 (2026-11-23,
-# replayed as CUDA graphs: every LoRA layer of Qwen2-0.5B and Llama-3.2-1B,
-# benchmarks/results/autotune_choices_h100_2026-11-23.json, and the six of ANCHORS,
-# lora_linear_h100.json); a narrower 128x128 tile came second or later at all of them and is no
-# longer compiled.
+# One tile: it was the fastest for both uses wherever it was timed, and a narrower one never won
+# (docs/decisions/004-autotune-candidates.md).
 GPU_CONFIGS = (Config(128, 256, 64, 8, 8, 3),)
 # Under the interpreter: tiles that divide none of the test sizes, few "multiprocessors", so that
 # each program walks several tiles.

@@ -102,10 +102,9 @@ def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple,
     return impl
 
 
-# A 16-bit input gradient from the template beat cuBLAS on an H100 only where the dX GEMM's K (the
-# layer's out_features) is short, and there with the widest tile (benchmarks/results/lora_linear_h100.md:
-# 2048 → 512, 0.057 vs 0.069 ms; at 2048 → 2048 and above cuBLAS won): elsewhere its compiles would
-# only lengthen the first step.
+# A 16-bit input gradient from the template is tried only where the dX GEMM's K (the layer's
+# out_features) is short, and with the widest tile: elsewhere cuBLAS won, and its compiles would
+# only lengthen the first step (docs/decisions/004-autotune-candidates.md).
 GRAD_INPUT_16BIT_MAX_K = 512
 
 
@@ -343,10 +342,8 @@ def _adapter_grads(gy2, lin2, su, grad_u, grad_dtype):
     """``(dA, dB)`` = ``(dUᵀ@lora_in, dYᵀ@su)`` in ``grad_dtype`` (the adapters'), ``su`` the forward's
     ``s·lora_in@Aᵀ``: two rank-r GEMMs on cuBLAS.
 
-    Their transposes (``lora_inᵀ@dU``, ``suᵀ@dY``, which cuBLAS runs with other kernels) were slower
-    by 4–6 µs at each of the ten shapes they were timed at on an H100 (2026-11-23: every LoRA layer
-    of Qwen2-0.5B and Llama-3.2-1B, ``benchmarks/results/autotune_choices_h100_2026-11-23.json``, and
-    the six of ANCHORS, ``lora_linear_h100.json``), so the pair is no longer autotuned.
+    Their transposes (``lora_inᵀ@dU``, ``suᵀ@dY``, which cuBLAS runs with other kernels) never won,
+    so the pair is not autotuned (docs/decisions/004-autotune-candidates.md).
     """
     grad_u = grad_u.to(lin2.dtype)
     return _mm_to(grad_u.t(), lin2, grad_dtype), _mm_to(gy2.t(), su, grad_dtype)

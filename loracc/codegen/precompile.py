@@ -1,8 +1,7 @@
 """Compile a graph's Triton kernels before its first call, all at once.
 
 Triton compiles a kernel at its first launch, so a first step would compile a few dozen kernels one
-after the other (on an H100 host about a second each, most of it in ``ptxas``, a subprocess:
-benchmarks/profile_step.py --cold). Before a compiled graph first runs, the Triton backend hands
+after the other, most of the time in ``ptxas`` (docs/decisions/008-kernels-compiled-ahead.md). Before a compiled graph first runs, the Triton backend hands
 every kernel it is about to launch (each fused row kernel, each candidate configuration of the LoRA
 GEMM template, the cross-entropy kernel) to Triton's asynchronous compile mode with a pool of
 threads: the compilers run side by side, then each kernel is loaded and its launcher built, and the

@@ -19,9 +19,7 @@ turns the reports of a step's regions into the step's predicted peak.
 Both backends run the graph as is and let PyTorch's allocator place each buffer (a CUDA graph's
 in the pool every graph of the model shares, so the temporaries of every layer share its free
 bytes); the plan's offsets serve the reports and the tests. Writing each temporary at its planned
-offset was measured on an H100 (Llama-3.2-1B-shaped step, ``benchmarks/results/memory_budget_h100.md``)
-and lost to the allocator: one arena kept for the whole step raised the peak, and one arena per
-graph call raised both the peak and the reserved bytes.
+offset lost to the allocator (docs/decisions/002-arena-execution-dropped.md).
 """
 from __future__ import annotations
 
