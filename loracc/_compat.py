@@ -168,7 +168,7 @@ def rename_node(node: torch.fx.Node, name: str) -> None:
 
 
 def set_activation_memory_budget(value: float) -> None:
-    """torch.compile's own budgeted min-cut (0..1), the peer ``benchmarks/bench.py`` compares with."""
+    """torch.compile's own budgeted min-cut (0..1), a peer the benchmarks compare with."""
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = value

@@ -20,7 +20,7 @@ import torch
 
 Tensor = torch.Tensor
 
-CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 441 rows of a 152k vocabulary
+CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk (docs/decisions/006-fused-loss-chunking.md)
 
 
 def chunk_rows_for(vocab: int, rows: int) -> int:

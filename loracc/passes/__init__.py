@@ -8,7 +8,8 @@ implementations, so each pass's test runs the graph before and after and compare
 ``FORWARD_PASSES`` run on a region's forward graph before its backward is derived (so the backward
 of a matched LoRA layer is loracc's backward op). On the joint graph, ``remat`` marks what the
 forward saves under the memory budget and ``partition`` splits it there; ``memory_plan`` then plans
-the buffers of the forward graph and of the backward graph.
+the buffers of the forward graph and of the backward graph. Adding a pass: CONTRIBUTING.md; where
+the passes sit in the pipeline: docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ a ``FusedRows`` (its reference implementation: the group's own ops, run as a sma
 tuple items stand for the group's values that anything outside it reads; the graph computes the
 same values as before. Codegen turns each ``FusedRows`` into one Triton kernel
 (``codegen/fused_rows.py``, template ``templates/fused_rows.py.jinja``); the eager backend runs the
-reference.
+reference. Why these groups and not others: docs/decisions/009-fused-row-groups.md.
 
 What fuses: a node is fusible when its op is in ``POINTWISE`` / ``REDUCTIONS`` / ``MOVES`` (below),
 its value is a floating tensor of shape ``rows + [width]``, and every tensor it reads is on its
