@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import LoraccError
+
 Tensor = torch.Tensor
 
 # bitsandbytes' NF4 code book (functional.get_4bit_type("nf4")), ascending: index i decodes to NF4_CODE[i].
@@ -175,3 +177,64 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def quant_state_meta(tensor: Tensor) -> dict:
     """The JSON ``quant_state.bitsandbytes__<type>`` tensor holds (its non-tensor fields)."""
     return json.loads(bytes(tensor.to(torch.uint8).tolist()).decode("utf-8"))
+
+
+def from_state_dict(tensors: dict[str, Tensor], key: str) -> NF4Weight:
+    """The NF4 weight stored under ``key`` in bitsandbytes' checkpoint layout (see ``to_state_dict``):
+    ``tensors`` maps ``key`` and ``key.absmax``, ``key.quant_map``, ``key.quant_state.bitsandbytes__nf4``
+    (and, double-quantized, ``key.nested_absmax``, ``key.nested_quant_map``) to tensors.
+
+    Every size the quant state implies is checked against the tensors; a mismatch, a missing tensor
+    or another 4-bit type (``fp4``) raises ``LoraccError`` naming the tensor.
+    """
+    def get(name: str) -> Tensor:
+        full = f"{key}.{name}" if name else key
+        if full not in tensors:
+            raise LoraccError(f"quantized checkpoint: {full} is missing; the NF4 weight {key} needs it (bitsandbytes' "
+                              "layout: weight, absmax, quant_map[, nested_absmax, nested_quant_map], quant_state)")
+        return tensors[full]
+
+    state_keys = [k for k in tensors if k.startswith(f"{key}.quant_state.bitsandbytes__")]
+    if not state_keys:
+        raise LoraccError(f"quantized checkpoint: {key}.{QUANT_STATE_KEY} is missing; the weight {key} has no quant state")
+    if state_keys != [f"{key}.{QUANT_STATE_KEY}"]:
+        raise LoraccError(f"quantized checkpoint: {state_keys[0]}: loracc reads NF4 only (bitsandbytes' "
+                          "quant_type='nf4'); load this layer unquantized or quantize it to NF4")
+    try:
+        meta = quant_state_meta(tensors[state_keys[0]])
+        shape, blocksize, dtype = tuple(int(s) for s in meta["shape"]), int(meta["blocksize"]), meta["dtype"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LoraccError(f"quantized checkpoint: {state_keys[0]} is not a readable quant state ({exc})") from exc
+
+    def check(name: str, tensor: Tensor, numel: int, dtypes: tuple[torch.dtype, ...]) -> Tensor:
+        full = f"{key}.{name}" if name else key
+        if tensor.numel() != numel or tensor.dtype not in dtypes:
+            raise LoraccError(
+                f"quantized checkpoint: {full} does not match its quant state {state_keys[0]} (shape {list(shape)}, "
+                f"blocks of {blocksize}): expected {numel} elements of {'/'.join(str(d) for d in dtypes)}, got "
+                f"{tensor.numel()} of {tensor.dtype}; the checkpoint is corrupt or its tensors belong to different layers"
+            )
+        return tensor
+
+    if meta.get("quant_type", "nf4") != "nf4" or dtype not in DTYPE_BY_NAME or blocksize <= 0:
+        raise LoraccError(f"quantized checkpoint: {state_keys[0]} describes quant_type={meta.get('quant_type')!r}, "
+                          f"dtype={dtype!r}, blocksize={blocksize}; loracc reads NF4 weights of float32/bfloat16/float16")
+    n = 1
+    for size in shape:
+        n *= size
+    blocks = -(-n // blocksize)
+    nested = f"{key}.nested_absmax" in tensors
+    packed = check("", get(""), -(-n // 2), (torch.uint8,)).reshape(-1)
+    absmax = check("absmax", get("absmax"), blocks, (torch.uint8,) if nested else (torch.float32,))
+    quant_map = check("quant_map", get("quant_map"), 16, (torch.float32,))
+    q = NF4Weight(packed, absmax, quant_map, shape, DTYPE_BY_NAME[dtype], blocksize)
+    if nested:
+        nested_blocksize = int(meta.get("nested_blocksize", 0))
+        if nested_blocksize <= 0 or "nested_offset" not in meta:
+            raise LoraccError(f"quantized checkpoint: {state_keys[0]} has no nested_blocksize/nested_offset but "
+                              f"{key}.nested_absmax exists; the quant state does not match its tensors")
+        q.nested_absmax = check("nested_absmax", get("nested_absmax"), -(-blocks // nested_blocksize), (torch.float32,))
+        q.nested_quant_map = check("nested_quant_map", get("nested_quant_map"), 256, (torch.float32,))
+        q.offset = torch.tensor(float(meta["nested_offset"]), dtype=torch.float32, device=packed.device)
+        q.nested_blocksize = nested_blocksize
+    return q

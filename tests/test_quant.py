@@ -1,0 +1,255 @@
+"""Quantized frozen bases: the NF4 format against bitsandbytes, its Triton decoder, and training parity.
+
+The format is checked value for value against bitsandbytes where it is installed (its CPU path is
+enough), else against the code book written out in ``loracc/quant/nf4.py``. Training parity: a tiny
+Llama and Qwen2 quantized by ``loracc.quantize``, compiled vs the same quantized model run eagerly
+(PEFT), loss and every LoRA gradient within 1e-4 in fp32, then AdamW steps.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import loracc
+from conftest import rel_err
+from loracc import presets
+from loracc.graph import info
+from loracc.ops import DEQUANT_NF4, dequant_nf4
+from loracc.quant import NF4Linear, nf4
+from loracc.quant.nf4 import NF4_CODE, dequantize_absmax, dequantize_nf4, dynamic_map, quantize_nf4
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(7, 13), (33, 100), (300, 129), (5,), (64, 64)]  # odd sizes, a short last block, a short nested block
+
+
+def _bnb():
+    bnb = pytest.importorskip("bitsandbytes")
+    return bnb.functional
+
+
+def _packed_codes(q: nf4.NF4Weight) -> torch.Tensor:
+    n = 1
+    for s in q.shape:
+        n *= s
+    return torch.stack([q.packed >> 4, q.packed & 0xF], dim=-1).reshape(-1)[:n]
+
+
+# The format --------------------------------------------------------------------------------------
+
+
+def test_code_books_equal_bitsandbytes():
+    F = _bnb()
+    assert torch.equal(torch.tensor(NF4_CODE), F.get_4bit_type("nf4", device="cpu"))
+    assert torch.equal(dynamic_map(), F.create_dynamic_map(signed=True))
+
+
+def test_every_code_round_trips_exactly():
+    """A weight built from every NF4 value times a per-block absmax quantizes back to the same codes
+    and absmax, and decodes to itself exactly (without double quantization: its absmax is exact)."""
+    generator = torch.Generator().manual_seed(3)
+    blocks, n = 37, 37 * 64 - 21  # a short last block
+    index = torch.randint(0, 16, (n,), generator=generator)
+    index[torch.arange(0, n, 64)] = 15  # every block holds +1, so its absmax is its scale
+    index[:16] = torch.arange(16)  # every code appears
+    index[-1] = 0
+    index[-2] = 15
+    scale = torch.rand(blocks, generator=generator) + 0.1
+    weight = torch.tensor(NF4_CODE)[index] * scale.repeat_interleave(64)[:n]
+    q = quantize_nf4(weight.reshape(1, n), double_quant=False)
+    assert torch.equal(_packed_codes(q), index)
+    assert torch.equal(q.absmax, scale)
+    assert torch.equal(q.dequantize(), weight.reshape(1, n))
+
+
+def test_every_nested_code_decodes_to_the_map():
+    """Double quantization: each of the 256 nested codes decodes to ``map · nested_absmax + offset``."""
+    absmax = torch.arange(256, dtype=torch.uint8)
+    nested_absmax, offset = torch.tensor([0.75]), torch.tensor(0.125)
+    decoded = dequantize_absmax(absmax, nested_absmax, dynamic_map(), offset, 256)
+    assert torch.equal(decoded, dynamic_map() * 0.75 + 0.125)
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quantize_matches_bitsandbytes(shape, dtype, double_quant):
+    """Same 4-bit codes and absmax as bitsandbytes' ``quantize_4bit``. The nested 8-bit step picks the
+    nearest entry of the dynamic map (bitsandbytes' torch backend); its CPU C kernel picks a neighbour
+    for values close to a midpoint, so there each code must be at least as near as bitsandbytes'."""
+    F = _bnb()
+    weight = torch.randn(shape).to(dtype)
+    packed, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+    q = quantize_nf4(weight, double_quant=double_quant)
+    assert torch.equal(q.packed, packed.reshape(-1))
+    if not double_quant:
+        assert torch.equal(q.absmax, state.absmax)
+        return
+    assert torch.equal(q.offset, state.offset)
+    _, fp32_state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=False)
+    centred = fp32_state.absmax - state.offset
+    nested_scale = q.nested_absmax.repeat_interleave(256)[: centred.numel()]
+    theirs_scale = state.state2.absmax.repeat_interleave(256)[: centred.numel()]
+    assert torch.equal(q.nested_absmax.clamp(min=1e-38), state.state2.absmax.clamp(min=1e-38))
+    ours = dynamic_map()[q.absmax.long()] * nested_scale
+    theirs = dynamic_map()[state.absmax.long()] * theirs_scale
+    assert ((ours - centred).abs() <= (theirs - centred).abs() + 1e-7).all()
+    assert (ours != theirs).sum() <= max(1, 0.05 * centred.numel())
+
+
+def _from_bnb_state(packed, state) -> nf4.NF4Weight:
+    """Our weight from bitsandbytes' serialized quant state (the checkpoint layout)."""
+    tensors = {"weight": packed, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+    return nf4.from_state_dict(tensors, "weight")
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_equals_bitsandbytes_bit_for_bit(shape, dtype, double_quant):
+    """bitsandbytes' own quantized tensors, read from its checkpoint layout, decode to exactly what
+    its ``dequantize_4bit`` gives, through the reference and through ``loracc::dequant_nf4``."""
+    F = _bnb()
+    weight = torch.randn(shape).to(dtype)
+    packed, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+    expected = F.dequantize_4bit(packed, state)
+    q = _from_bnb_state(packed, state)
+    assert q.shape == tuple(shape) and q.dtype == dtype and q.nested == double_quant
+    for out_dtype in DTYPES:
+        theirs = expected if out_dtype == dtype else F.dequantize_4bit(packed, state).to(torch.float32)
+        ours = q.dequantize(out_dtype)
+        if out_dtype == dtype:
+            assert torch.equal(ours, theirs)
+        else:  # bitsandbytes decodes to the weight's dtype; ours rounds the same fp32 values once
+            assert torch.equal(ours, q.dequantize(torch.float32).to(out_dtype))
+    op = dequant_nf4(q.packed, q.absmax, q.quant_map, q.nested_absmax, q.nested_quant_map, q.offset,
+                     list(q.shape), q.blocksize, q.nested_blocksize, dtype)
+    assert torch.equal(op, expected)
+
+
+def test_dequantize_without_bitsandbytes_follows_the_format():
+    """The reference decoder written from the format (no bitsandbytes): code · absmax in fp32, nested
+    absmax as map · scale + offset, element 2j in the high nibble."""
+    generator = torch.Generator().manual_seed(5)
+    n = 3 * 64 + 7
+    codes = torch.randint(0, 16, (n + 1,), generator=generator, dtype=torch.uint8)
+    packed = (codes[::2] << 4) | codes[1::2]
+    absmax = torch.randint(0, 256, (4,), generator=generator, dtype=torch.uint8)
+    nested_absmax, offset = torch.rand(1, generator=generator), torch.rand((), generator=generator)
+    scale = dynamic_map()[absmax.long()] * nested_absmax + offset
+    expected = torch.empty(n)
+    for i in range(n):
+        expected[i] = torch.tensor(NF4_CODE)[codes[i].long()] * scale[i // 64]
+    got = dequantize_nf4(packed, absmax, nf4.nf4_code(), nested_absmax, dynamic_map(), offset, (n,), 64, 256,
+                         torch.float32)
+    assert torch.equal(got, expected)
+    assert torch.equal(dequantize_nf4(packed, absmax, nf4.nf4_code(), nested_absmax, dynamic_map(), offset, (n,), 64,
+                                      256, torch.bfloat16), expected.to(torch.bfloat16))
+
+
+# The Triton decoder ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37, 41), (3, 1000)], ids=str)
+def test_triton_dequant_kernel_equals_the_reference(shape, dtype, double_quant):
+    pytest.importorskip("triton")
+    from loracc.codegen import nf4 as nf4_codegen
+    from loracc.codegen.triton_backend import available
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if available(device) is not None:
+        pytest.skip(str(available(device)))
+    q = quantize_nf4(torch.randn(shape, device=device), double_quant=double_quant)
+    args = (q.packed, q.absmax, q.quant_map, q.nested_absmax, q.nested_quant_map, q.offset, list(shape), q.blocksize,
+            q.nested_blocksize, dtype)
+    # BLOCK is 1024 elements per program: (3, 1000) is not a multiple of it; the kernel allocates its
+    # output with torch.empty, so poison the allocator's free memory with NaN first.
+    torch.full((8192,), float("nan"), device=device)
+    got = nf4_codegen.dequantize(*args)
+    expected = dequantize_nf4(*args[:6], tuple(shape), *args[7:])
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        # Triton's interpreter truncates fp32 to bf16 (the GPU rounds to nearest even): within one bf16 step
+        # of the rounded value, and equal to the truncated fp32 value.
+        exact = dequantize_nf4(*args[:6], tuple(shape), *args[7:9], torch.float32)
+        assert torch.equal(got.view(torch.int16), (exact.view(torch.int32) >> 16).to(torch.int16))
+        assert ((got.float() - expected.float()).abs() <= expected.float().abs() * 2**-7).all()
+    else:
+        assert torch.equal(got, expected)
+
+
+# Training on a quantized base ----------------------------------------------------------------------
+
+
+def _quantized_pair(family: str, **overrides):
+    model, batch = presets.preset(family, layers=2, **overrides)
+    loracc.quantize(model, "nf4", double_quant=True)
+    compiled = loracc.compile(copy.deepcopy(model), backend="eager")
+    return model, compiled, batch
+
+
+def _step(model, batch, seed=0):
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_quantize_replaces_frozen_linears_only():
+    model, _ = presets.preset("qwen2", layers=2)
+    loracc.quantize(model, "nf4", double_quant=True)
+    quantized = [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]
+    assert len(quantized) == 14 and all(n.endswith(".base_layer") for n in quantized)
+    assert type(model.base_model.model.lm_head) is torch.nn.Linear
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert layer.weight.dtype == torch.uint8 and layer.bias is not None and "nf4" in layer.format
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_compiled_quantized_model_matches_eager(family):
+    eager, compiled, batch = _quantized_pair(family)
+    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    assert rel_err(loss_c, loss_e) <= 1e-5
+    checked = 0
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name
+            checked += 1
+        else:
+            assert q.grad is None, name
+    assert checked == 28
+    report = loracc.explain(compiled)
+    assert len(report.lora_layers) == 14 and sorted(report.lora_layers_matched) == sorted(report.lora_layers)
+
+
+def test_adamw_steps_on_a_quantized_base_match_eager():
+    eager, compiled, batch = _quantized_pair("llama")
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (eager, compiled)]
+    for step in range(2):
+        for model, opt in zip((eager, compiled), opts):
+            opt.zero_grad()
+            _step(model, batch, seed=step)
+            opt.step()
+        assert rel_err(compiled(**batch).loss, eager(**batch).loss) <= 1e-5, f"step {step}"
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        assert rel_err(q.float(), p.float()) <= 1e-5, name
+
+
+def test_the_decoded_weight_is_recomputed_never_saved():
+    """The forward keeps no decoded 16/32-bit weight for the backward: remat recomputes the decode
+    from the packed weight, a graph input."""
+    _, compiled, batch = _quantized_pair("llama")
+    _step(compiled, batch)
+    block = next(r for r in compiled._loracc.regions if r.kind == "block").latest
+    graph = block.stages["remat"].graph
+    decodes = [n for n in graph.nodes if n.target is DEQUANT_NF4]
+    assert len(decodes) == 7
+    for n in graph.nodes:
+        if "saved" in info(n):
+            assert n.target is not DEQUANT_NF4, n.name
+            assert not any(a.target is DEQUANT_NF4 for a in n.all_input_nodes), n.name
+    assert all("recomputed" in info(n) for n in decodes)
+    assert len([n for n in block.stages["backward"].graph.nodes if n.target is DEQUANT_NF4]) == 7
