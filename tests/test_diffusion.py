@@ -247,3 +247,38 @@ def test_saved_lora_loads_into_eager_diffusers_model(trained, tmp_path):
             model.train()
     assert rel_err(loaded, trained_out) <= 1e-5
     assert rel_err(base_out, trained_out) > 1e-3  # the adapter changes the output: the check is not empty
+
+
+def test_attention_processor_with_data_dependent_control_flow_runs_eagerly():
+    """A custom attention processor that branches on a tensor's value cannot be traced: each block
+    using it runs eagerly with a warning naming it, the rest stays compiled, and the numbers are eager's."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class RescaledAttention(AttnProcessor2_0):
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            out = super().__call__(attn, hidden_states, *args, **kwargs)
+            if out.abs().max() > 1.0:  # Python control flow on a value
+                out = out / out.abs().max()
+            return out
+
+    torch.manual_seed(0)
+    compiled = with_lora(tiny_unet(), UNET_TARGETS)
+    compiled.set_attn_processor(RescaledAttention())
+    eager = copy.deepcopy(compiled)
+    kwargs, target = unet_batch(torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loracc.compile(compiled)
+        loss_c = F.mse_loss(compiled(**copy.deepcopy(kwargs)).sample, target)
+        loss_c.backward()
+    loss_e = F.mse_loss(eager(**copy.deepcopy(kwargs)).sample, target)
+    loss_e.backward()
+    assert rel_err(loss_c, loss_e) <= 1e-6
+    for name, p in lora_params(eager).items():
+        assert rel_err(compiled.get_parameter(name).grad, p.grad) <= 1e-4, name
+    messages = [str(w.message) for w in caught]
+    for block in ("down_blocks.1.attentions.0", "mid_block.attentions.0", "up_blocks.0.attentions.0"):
+        assert any(f"loracc: {block} runs eagerly" in m for m in messages), (block, messages)
+    report = loracc.explain(compiled)
+    assert {f.module for f in report.fallbacks} >= {"down_blocks.1.attentions.0", "mid_block.attentions.0"}
+    assert any("ResnetBlock2D" in r.name and r.calls > 0 for r in report.regions)
