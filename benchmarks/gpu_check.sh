@@ -2,14 +2,19 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|lora] ...   (several parts run in order)
+#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|lora] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
 # steps: benchmarks/fused_rows.py's step variants (loracc without CUDA graphs, with "auto", with
 #        every graph replayed) on both workloads. kernels: the fused kernels' bandwidth with and
-#        without launch cost. quick: benchmarks/bench.py --quick. lora: benchmarks/lora_linear.py (one
+#        without launch cost. quick: python -m benchmarks step --quick. lora: benchmarks/lora_linear.py (one
 #        LoRA linear against the frozen GEMMs at the six ANCHORS shapes, ~1.5-3 minutes).
+# varlen, varlen-compile, varlen-dynamic, varlen-compile-packed: `python -m benchmarks step --varlen`
+#        (varying lengths on a Qwen2-0.5B-shaped model, padded and packed, with loracc's fixed-shape
+#        references), one call each: eager PEFT, Liger, Unsloth and loracc on every layout;
+#        torch.compile on the padded layout; the same with dynamic=True; both on the packed layout.
+#        MAXLEN=1024 clips the lengths.
 # Results go under $OUT (default ./gpu-check-out). Liger's wheel is installed from .whl/ when it is
 # there (carry it to the GPU machine); it must go through `python -m pip`, the interpreter the
 # benchmark workers run.
@@ -51,11 +56,18 @@ for part in "${@:-tests}"; do
     kernels)
         timeout 300 python benchmarks/fused_rows.py --part kernels --out "$OUT" 2>&1 | grep -v Warn | tail -40 ;;
     quick)
-        BENCH_GIT_COMMIT=$commit timeout 330 python benchmarks/bench.py --quick --out "$OUT/bench-quick.json" \
+        BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks step --quick --out "$OUT/bench-quick.json" \
             --report-dir "$OUT/report-quick" 2>&1 | grep -A30 "^summary" ;;
+    varlen|varlen-compile|varlen-dynamic|varlen-compile-packed)
+        what="--method peft-eager,peft-liger,unsloth,loracc"
+        [ $part = varlen-compile ] && what="--method peft-compile --workload qwen2-0.5b-varlen"
+        [ $part = varlen-dynamic ] && what="--method peft-compile-dynamic --workload qwen2-0.5b-varlen"
+        [ $part = varlen-compile-packed ] && what="--method peft-compile,peft-compile-dynamic --workload qwen2-0.5b-packed"
+        BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step --varlen $what ${MAXLEN:+--max-len $MAXLEN} \
+            --timeout 540 --deadline 570 --out "$OUT/$part.json" 2>&1 | grep -A40 "^summary" ;;
     lora)
         timeout 330 python benchmarks/lora_linear.py --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
     *)
-        echo "unknown part $part: tests, steps, kernels, quick or lora"; exit 2 ;;
+        echo "unknown part $part: tests, steps, kernels, quick, varlen, varlen-compile, varlen-dynamic, varlen-compile-packed or lora"; exit 2 ;;
     esac
 done

@@ -1,10 +1,18 @@
-"""How ``bench.py`` runs its rows: the plan (which worker processes, in which order), its time
-estimate on an H100, and the worker processes themselves (started ahead so that their imports
-overlap the previous one, given their turn, timed out, and turned into rows, failures included).
-The workloads, methods and the worker's own code are in ``bench.py``."""
+"""How the step benchmark runs its rows: the plan (which worker processes, in which order), its
+time estimate on an H100, and the worker processes themselves.
+
+Every job is a worker process (``python -m benchmarks step --worker step ...``) started ahead, so
+that its imports (torch, transformers, peft) overlap the previous worker's run; it touches the GPU
+only once given its turn (a file it waits for). A worker's --timeout counts from its turn; Unsloth
+has its own, shorter --unsloth-timeout, and its worker imports nothing early (Unsloth must come
+first). A worker that fails, runs out of memory or of time becomes a row that says so: the stage it
+was in, the end of its output (``output_tail``) and, where it hung, its Python stack
+(``stack_dump``, innermost frame first), which it dumps shortly before its time runs out.
+"""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,11 +21,41 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench
-from bench import COMPILING, FULL_METHODS, FULL_WORKLOADS, NEEDS_CUDA, QUICK_PLAN, REPO, SWEEP_METHODS, SWEEP_SEQS, \
-    SWEEP_WORKLOAD, TINY_METHODS, TINY_SWEEP_SEQS, WORKLOADS, flops_per_token
+from benchmarks.harness import REPO
+from benchmarks.workloads import COMPILING, NEEDS_CUDA, WORKLOADS, flops_per_token
 
-BENCH = str(Path(bench.__file__).resolve())  # the workers run bench.py --worker
+FULL_WORKLOADS = ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b"]
+FULL_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth", "peft-compile",
+                "peft-compile-layer", "peft-compile-budget"]
+# --quick: what fits 5 minutes of an H100 (see estimate(): about 4.3 min). Llama-3.2-1B with the
+# main peers, the costly torch.compile last; Qwen2-0.5B against eager only (its cold torch.compile
+# alone took 124 s, Liger adds 16 s; loracc's tight budget there did not fit the deadline).
+# loracc's warm first step on the first workload only.
+QUICK_PLAN = [("llama-3.2-1b", ["peft-eager", "peft-liger", "loracc", "loracc-budget", "peft-compile"]),
+              ("qwen2-0.5b", ["peft-eager", "loracc"])]
+QUICK_DEADLINE_S = 285
+TINY_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "peft-compile"]
+SWEEP_WORKLOAD, SWEEP_SEQS = "llama-3.2-1b", [512, 1024, 2048, 4096, 8192]
+SWEEP_METHODS = ["peft-eager", "peft-liger", "loracc", "loracc-8gb", "peft-compile"]
+TINY_SWEEP_SEQS = [16, 32, 64]
+# --varlen: the padded and packed layouts of the same sequences with every method, then loracc alone
+# at fixed shapes (the padded data's mean tokens per step; its longest step) for its own comparison.
+VARLEN_WORKLOADS = ["qwen2-0.5b-varlen", "qwen2-0.5b-packed"]
+VARLEN_REFERENCE_WORKLOADS = ["qwen2-0.5b-fixed-mean", "qwen2-0.5b-longest"]
+VARLEN_METHODS = ["peft-eager", "peft-liger", "unsloth", "peft-compile", "peft-compile-dynamic", "loracc"]
+VARLEN_REFERENCE_METHODS = ["loracc"]
+OPTIONAL = {"peft-liger": "liger_kernel", "unsloth": "unsloth", "unsloth-nocompile": "unsloth"}  # else skipped
+
+
+def missing_package(method: str) -> str | None:
+    """The package ``method`` needs that cannot be imported (Unsloth: also from $UNSLOTH_SITE), or None."""
+    name = OPTIONAL.get(method)
+    if name is None or importlib.util.find_spec(name) is not None:
+        return None
+    site = os.environ.get("UNSLOTH_SITE") if name == "unsloth" else None
+    if site and (Path(site) / name).is_dir():
+        return None
+    return name
 
 
 @dataclasses.dataclass
@@ -36,11 +74,12 @@ class Job:
     cache_note: str | None = None  # where the caches are not this job's own
 
 
-def spawn(kind: str, argv: list[str], timeout: float, env: dict, cwd=None) -> tuple[dict | None, str]:
-    """Run ``bench.py --worker kind`` with ``argv`` at once; returns (its record, "") or (None, why not)."""
+def spawn(kind: str, argv: list[str], timeout: float, cwd=None) -> tuple[dict | None, str]:
+    """Run ``step --worker kind`` with ``argv`` at once; returns (its record file, "") or (None, why not)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
-        cmd = [sys.executable, BENCH, "--worker", kind, "--record-file", str(out), *argv]
+        cmd = worker_command(kind, out) + argv
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _path()}
         try:
             proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -48,6 +87,15 @@ def spawn(kind: str, argv: list[str], timeout: float, env: dict, cwd=None) -> tu
         if out.exists():
             return json.loads(out.read_text()), ""
         return None, f"worker exited with code {proc.returncode}: " + _tail(proc.stderr or proc.stdout)
+
+
+def worker_command(kind: str, record: Path) -> list[str]:
+    return [sys.executable, "-m", "benchmarks", "step", "--worker", kind, "--record-file", str(record)]
+
+
+def _path(*first: str) -> str:
+    """PYTHONPATH for a worker: ``first``, the repository (where ``benchmarks`` is), then the caller's."""
+    return os.pathsep.join(p for p in [*first, str(REPO), os.environ.get("PYTHONPATH", "")] if p)
 
 
 def _tail(output, lines: int = 5) -> str:
@@ -68,11 +116,11 @@ class Worker:
         self.log = folder / "output.log"
         argv = ["--method", job.method, "--workload", job.workload, "--batch", str(job.batch),
                 "--seqs", ",".join(map(str, job.seqs)), "--steps", str(job.steps), "--warmup", str(job.warmup),
-                "--loracc-budget", args.loracc_budget] + (["--dynamic"] if job.dynamic else [])
+                "--loracc-budget", args.loracc_budget] + (["--dynamic"] if job.dynamic else []) \
+            + (["--max-len", str(args.max_len)] if getattr(args, "max_len", None) else [])
         self.stacks = folder / "stacks.txt"
-        cmd = [sys.executable, BENCH, "--worker", "step", "--record-file", str(self.record),
-               "--progress-file", str(self.progress), "--go-file", str(self.go_file), "--stack-file", str(self.stacks),
-               *argv]
+        cmd = [*worker_command("step", self.record), "--progress-file", str(self.progress),
+               "--go-file", str(self.go_file), "--stack-file", str(self.stacks), *argv]
         cache.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             # In the cache folder: some methods write compiled files into the working directory.
@@ -108,10 +156,8 @@ class Worker:
 def worker_env(method: str, cache: Path) -> dict:
     # Unsloth's many dependencies can live in a folder of their own ($UNSLOTH_SITE), on the path of
     # its worker only, so that they cannot change what the other methods import.
-    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
-    if method.startswith("unsloth") and os.environ.get("UNSLOTH_SITE"):
-        path.insert(1, os.environ["UNSLOTH_SITE"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "PYTHONUNBUFFERED": "1",
+    site = os.environ.get("UNSLOTH_SITE", "") if method.startswith("unsloth") else ""
+    env = {**os.environ, "PYTHONPATH": _path(site), "PYTHONUNBUFFERED": "1",
            "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
            "LORACC_CACHE_DIR": f"{cache}/loracc",
            # No network on the GPU machine: nothing may wait on a download, a version check or telemetry.
@@ -134,17 +180,25 @@ def worker_env(method: str, cache: Path) -> dict:
 
 def plan(args) -> list[Job]:
     """The jobs, in order: main rows (each compiling one followed by its warm job where measured),
-    then the sweep."""
+    then the varying-length workloads, then the sweep."""
     jobs: list[Job] = []
-    main = not args.sweep or args.quick or args.workload
+    named = args.workload or []
+    varying = [w for w in named if "varlen" in WORKLOADS[w]]  # a varying-length workload runs as one
+    fixed = [w for w in named if w not in varying]
+    reference = []  # loracc alone at fixed shapes of the same data
+    if not varying and getattr(args, "varlen", False):
+        prefix = "tiny" if args.tiny else "qwen2-0.5b"
+        varying = [w.replace("qwen2-0.5b", prefix) for w in VARLEN_WORKLOADS]
+        reference = [w.replace("qwen2-0.5b", prefix) for w in VARLEN_REFERENCE_WORKLOADS]
+    main = not (args.sweep or varying) or args.quick or fixed
     if main:
         if args.tiny:
             layout = [("tiny", args.method or TINY_METHODS)]
         elif args.quick:
-            layout = [(w, args.method or methods) for w, methods in QUICK_PLAN if not args.workload or w in args.workload]
-            layout += [(w, args.method or QUICK_PLAN[0][1]) for w in args.workload or [] if w not in dict(QUICK_PLAN)]
+            layout = [(w, args.method or methods) for w, methods in QUICK_PLAN if not fixed or w in fixed]
+            layout += [(w, args.method or QUICK_PLAN[0][1]) for w in fixed if w not in dict(QUICK_PLAN)]
         else:
-            layout = [(w, args.method or FULL_METHODS) for w in args.workload or FULL_WORKLOADS]
+            layout = [(w, args.method or FULL_METHODS) for w in fixed or FULL_WORKLOADS]
         for n, (workload, methods) in enumerate(layout):
             spec = WORKLOADS[workload]
             batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
@@ -155,6 +209,16 @@ def plan(args) -> list[Job]:
                                 cache_note="caches of loracc (run before it): not cold" if shared else None))
                 if warm_wanted(args, method, first_workload=n == 0):
                     jobs.append(dataclasses.replace(jobs[-1], steps=0, warmup=1, warm_of=len(jobs) - 1))
+    for workload in varying + reference:
+        spec = WORKLOADS[workload]
+        if workload in varying:
+            methods = args.method or VARLEN_METHODS
+        else:  # loracc's own references: only where loracc runs
+            methods = [m for m in args.method or VARLEN_REFERENCE_METHODS if m in VARLEN_REFERENCE_METHODS]
+        for method in methods:
+            # One pass over the workload's steps; its seq is the longest row it may hold.
+            jobs.append(Job(method, workload, spec["batch"], [spec["seq"]], "varlen", spec["varlen"]["steps"], 0,
+                            cache=f"{workload}-{method}"))
     if args.sweep:
         workload, seqs = ("tiny", TINY_SWEEP_SEQS) if args.tiny else (SWEEP_WORKLOAD, SWEEP_SEQS)
         methods = args.method or SWEEP_METHODS
@@ -174,19 +238,20 @@ def warm_wanted(args, method: str, first_workload: bool = True) -> bool:
     return not args.tiny and (method == "loracc" and first_workload if args.quick else True)
 
 
-# What an H100 took in the runs of 2026-11-22 (benchmarks/results/, ANCHORS.md), for estimate() only:
+# What an H100 took in the first recorded runs (benchmarks/results/, ANCHORS.md), for estimate() only:
 # a worker's setup after its imports (CUDA, model build), its imports (overlapped with the previous
 # worker), and the cold first step per method and workload. Figures not measured there are guesses.
 H100_SETUP_S, H100_IMPORT_S = 7.0, 7.0
 H100_FIRST_STEP_S = {
     "peft-compile": {"qwen2-0.5b": 124, "llama-3.2-1b": 63, "*": 150},
+    "peft-compile-dynamic": {"*": 160},
     "peft-compile-budget": {"qwen2-0.5b": 134, "llama-3.2-1b": 83, "*": 150},
     "peft-compile-layer": {"qwen2-0.5b": 33, "llama-3.2-1b": 27, "*": 45},
     "loracc": {"qwen2-0.5b": 46, "llama-3.2-1b": 22, "*": 45},
     "loracc-budget": {"qwen2-0.5b": 74, "llama-3.2-1b": 24, "*": 45},
     "loracc-8gb": {"*": 45},
     "peft-liger": {"*": 6},
-    "unsloth": {"*": 37},  # Qwen2-0.5B, 2026-11-22: 32.5 s and 37.2 s
+    "unsloth": {"*": 37},  # Qwen2-0.5B: 32.5 s and 37.2 s
     "unsloth-nocompile": {"*": 12},
     "*": {"*": 2.5},
 }
@@ -207,6 +272,16 @@ def estimate(jobs: list[Job]) -> float:
             first *= 1.3  # a dynamic-shape graph compiles more slowly
         total += H100_SETUP_S + first + 1  # + the process's exit
         recompile = H100_RECOMPILE_S.get(job.method, 1) / (2 if job.cache_note else 1)
+        if job.suite == "varlen":  # every step once, a new shape compiled again (torch.compile: once)
+            from benchmarks import varlen
+
+            steps = varlen.shapes(job.workload)
+            # torch.compile: one more graph with dynamic shapes; loracc: its symbolic program (a new
+            # shape after that compiles nothing); eager methods: nothing.
+            again = {"peft-compile": 1, "peft-compile-dynamic": 0}.get(job.method, min(len(set(steps)) - 1, 1))
+            total += (first if job.method == "peft-compile" else recompile) * again
+            total += sum(rows * n * flops_per_token(job.workload, n) for rows, n in steps) / (ASSUMED_MFU * H100_TFLOPS * 1e12)
+            continue
         for i, seq in enumerate(job.seqs):
             step_s = job.batch * seq * flops_per_token(job.workload, seq) / (ASSUMED_MFU * H100_TFLOPS * 1e12)
             total += (job.warmup + job.steps) * step_s + (recompile if i else 0)
@@ -226,6 +301,8 @@ def run_jobs(jobs: list[Job], args, deadline: float, folder: Path, emit, prefetc
         job = jobs[index]
         if job.method in NEEDS_CUDA and not args.cuda and not args.try_without_gpu:
             return "needs a CUDA GPU"
+        if missing_package(job.method):
+            return f"{missing_package(job.method)} is not installed"
         if job.warm_of is not None and not ahead:
             cold = rows_of.get(job.warm_of)
             if not cold or cold[0]["status"] != "ok":

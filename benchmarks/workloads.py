@@ -1,0 +1,217 @@
+"""The models, methods and optimizer every training-step benchmark shares.
+
+A workload is a model shape (public config numbers of a named checkpoint; rope and context
+settings do not change speed) with a batch and sequence length; a varying-length workload adds how
+its lengths are drawn (``varlen``, see ``benchmarks/varlen.py``). A method is how the same PEFT
+model is run: eager, under torch.compile, with Liger's or Unsloth's kernels, or compiled by loracc.
+Every method trains the same model (same seed, so same random weights) with the same LoRA config
+(r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down) and AdamW (torch's fused AdamW for the peers on
+a GPU, as Hugging Face Trainer's default ``adamw_torch_fused``; ``loracc.FusedAdamW`` for loracc).
+"""
+from __future__ import annotations
+
+import tempfile
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_R, LORA_ALPHA = 16, 32
+LEARNING_RATE = 1e-3  # large enough that the later losses depend on the gradients
+SEED = 0
+
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+# Varying lengths: log-normal, median ~400 tokens, sigma 1 (about 1% of draws reach the 4096 cap),
+# seeded; 60 padded steps of 8 sequences. The packed, fixed-mean and longest layouts use the same
+# sequences (see benchmarks/varlen.py); packed rows of 4096 tokens, one a step (about 77 steps).
+VARLEN = dict(median=400, sigma=1.0, min=16, max=4096, steps=60, sequences_per_step=8, longest_steps=6, seed=SEED)
+TINY_VARLEN = dict(median=12, sigma=0.6, min=4, max=32, steps=6, sequences_per_step=2, longest_steps=2, seed=SEED)
+
+WORKLOADS = {
+    "qwen2-0.5b": dict(family="qwen2", batch=8, seq=1024, dtype="bfloat16", config=QWEN2_05B),
+    "llama-3.2-1b": dict(family="llama", batch=4, seq=2048, dtype="bfloat16", config=dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5)),
+    # Llama-3-8B's shapes (Llama-3.1-8B has the same; only its rope scaling differs). In bf16 its
+    # weights are 15 GiB; eager PEFT at 1 x 2048 peaks at about 36.5 GiB, so it fits an H100 80GB.
+    "llama-3-8b": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    # A CPU smoke workload: exercises every stage in seconds; fp32 so parity is exact.
+    "tiny": dict(family="llama", batch=2, seq=32, dtype="float32", config=TINY),
+    # Varying lengths (benchmarks/varlen.py): ``batch`` is rows per step, ``seq`` the packed row length.
+    **{f"{name}-{kind}": dict(family=family, batch=batch, seq=varlen["max"], dtype=dtype, config=config,
+                              varlen=dict(varlen, layout=layout))
+       for name, family, dtype, config, varlen in [("qwen2-0.5b", "qwen2", "bfloat16", QWEN2_05B, VARLEN),
+                                                    ("tiny", "llama", "float32", TINY, TINY_VARLEN)]
+       for kind, layout, batch in [("varlen", "padded", varlen["sequences_per_step"]), ("packed", "packed", 1),
+                                   ("fixed-mean", "fixed-mean", varlen["sequences_per_step"]),
+                                   ("longest", "longest", varlen["sequences_per_step"])]},
+}
+
+METHODS = {
+    "peft-eager": "PEFT, eager",
+    "peft-hf-ckpt": "PEFT + Hugging Face activation checkpointing (non-reentrant)",
+    "peft-liger": "PEFT + Liger kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)",
+    "peft-compile": "PEFT + torch.compile of the whole model",
+    "peft-compile-dynamic": "PEFT + torch.compile of the whole model, dynamic=True (one graph for every length)",
+    "peft-compile-layer": "PEFT + torch.compile of each decoder layer",
+    "peft-compile-budget": "PEFT + torch.compile of the whole model, activation_memory_budget 0.1",
+    "unsloth": "Unsloth FastLanguageModel, bf16 LoRA, its default 'unsloth' checkpointing",
+    "unsloth-nocompile": "the same with UNSLOTH_COMPILE_DISABLE=1: its Triton kernels, no torch.compile of its layers",
+    "loracc": "loracc.compile, defaults (memory_budget=None, cuda_graphs='auto')",
+    "loracc-nographs": "loracc.compile, default plan with cuda_graphs=False (every graph run from Python)",
+    "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
+    "loracc-8gb": "loracc.compile with memory_budget='8GB' (8e9 bytes = 7.45 GiB; a limit on the whole step's peak)",
+    "loracc-graphs": "loracc.compile with cuda_graphs=True (each compiled graph replayed as a CUDA graph)",
+}
+LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None, "loracc-nographs": None}  # loracc-budget: --loracc-budget
+NEEDS_CUDA = {"peft-liger", "unsloth", "unsloth-nocompile"}
+# Methods whose first step compiles; for them a second process can measure the first step warm.
+COMPILING = {"peft-compile", "peft-compile-dynamic", "peft-compile-layer", "peft-compile-budget", "loracc",
+             "loracc-budget", "loracc-8gb", "loracc-graphs", "loracc-nographs", "peft-liger", "unsloth",
+             "unsloth-nocompile"}
+
+
+def set_max_len(max_len: int) -> None:
+    """Clip every varying-length workload's lengths (and its packed rows) to ``max_len`` tokens, in
+    this process: ``python -m benchmarks step --max-len`` calls it in the orchestrator and in each
+    worker, so that they lay out the same data."""
+    if max_len < 2:
+        raise ValueError(f"--max-len must be at least 2 tokens, got {max_len}")
+    for spec in WORKLOADS.values():
+        if "varlen" in spec:
+            spec["varlen"] = dict(spec["varlen"], max=min(spec["varlen"]["max"], max_len),
+                                  min=min(spec["varlen"]["min"], max_len))
+            spec["seq"] = min(spec["seq"], max_len)
+
+
+def flops_per_token(workload: str, seq: int) -> float:
+    """Useful FLOPs of one training token, as ANCHORS.md counts them.
+
+    4·P  +  6·L·s·d  +  6·L·r·Σ(in+out)  where
+      P: parameters of every frozen linear incl. the vocabulary projection (forward 2·P, input
+         gradient 2·P; frozen weights get no weight gradient);
+      6·s·d per layer: causal attention (QKᵀ and PV forward at 2·s·d each, halved by the mask,
+         and a backward of twice the forward), d = heads·head_dim, s the sequence length;
+      6·r·(in+out) per LoRA linear: x@Aᵀ, u@Bᵀ forward; dB, du, dA, dx backward.
+    """
+    c = WORKLOADS[workload]["config"]
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q_out, kv_out = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    shapes = [(h, q_out), (h, kv_out), (h, kv_out), (q_out, h), (h, inter), (h, inter), (inter, h)]
+    frozen = layers * sum(i * o for i, o in shapes) + h * c["vocab_size"]
+    attention = 6 * layers * seq * q_out
+    lora = 6 * layers * LORA_R * sum(i + o for i, o in shapes)
+    return float(4 * frozen + attention + lora)
+
+
+def _no_progress(stage: str) -> None:
+    pass
+
+
+def make_base(workload: str, device):
+    """The workload's model with random weights from the seed, created directly on ``device`` in the
+    workload's dtype: no CPU copy and no fp32 copy (an 8B model is 15 GiB in bf16, 30 GiB in fp32)."""
+    import torch
+    import transformers
+
+    spec = WORKLOADS[workload]
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["family"]]
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(
+            config_class(**spec["config"]), dtype=getattr(torch, spec["dtype"]), attn_implementation="sdpa")
+
+
+def build_model(workload: str, method: str, device, progress=_no_progress, max_seq: int | None = None,
+                dynamic: bool = False):
+    """The workload's model with PEFT LoRA, built on ``device`` from the seed (same weights for
+    every method), with ``method`` applied. Returns (model to call, PEFT model, notes)."""
+    if method.startswith("unsloth"):
+        progress("unsloth import")
+        import unsloth  # noqa: F401  (it patches transformers, so it must come first)
+        progress("model build")
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    spec = WORKLOADS[workload]
+    if method == "peft-liger":
+        import liger_kernel.transformers as liger
+        getattr(liger, f"apply_liger_kernel_to_{spec['family']}")()
+    base = make_base(workload, device)
+    if method.startswith("unsloth"):
+        progress("unsloth load")
+        return _unsloth_model(base, max_seq or spec["seq"], device)
+    if method == "peft-hf-ckpt":
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(base, lora)
+    model.train()
+    dynamic = dynamic or method == "peft-compile-dynamic"
+    shapes = ", dynamic=True (one graph for every sequence length)" if dynamic else ""
+    if method in ("peft-compile", "peft-compile-dynamic"):
+        return torch.compile(model, dynamic=dynamic or None), model, shapes.lstrip(", ")
+    if method == "peft-compile-budget":
+        from loracc import _compat
+
+        _compat.set_activation_memory_budget(0.1)
+        return torch.compile(model, dynamic=dynamic or None), model, "activation_memory_budget=0.1" + shapes
+    if method == "peft-compile-layer":
+        for layer in model.get_base_model().model.layers:
+            layer.compile(dynamic=dynamic or None)
+        return model, model, shapes.lstrip(", ")
+    return model, model, ""
+
+
+def _unsloth_model(base, max_seq: int, device):
+    """Unsloth loads from a checkpoint directory with a tokenizer: save the seeded weights and a
+    word-level tokenizer over the vocabulary, and load them back through Unsloth."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from unsloth import FastLanguageModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base.save_pretrained(tmp)
+        vocab = {f"t{i}": i for i in range(base.config.vocab_size)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1", eos_token="t2",
+                                bos_token="t3").save_pretrained(tmp)
+        del base
+        model, _ = FastLanguageModel.from_pretrained(
+            tmp, dtype=torch.bfloat16, load_in_4bit=False, load_in_16bit=True, max_seq_length=max_seq,
+            device_map={"": device}, fix_tokenizer=False)
+    model = FastLanguageModel.get_peft_model(
+        model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
+        bias="none", use_gradient_checkpointing="unsloth", random_state=SEED)
+    model.train()
+    return model, model, "lora_A initialised from Unsloth's own seed (lora_B = 0, so step 0 is comparable)"
+
+
+def parse_budget(text: str):
+    """'0.1' → 0.1 (fraction), '8000000000' → int bytes, '8GB' → '8GB'."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def loracc_budget(method: str, budget_text: str):
+    return parse_budget(budget_text) if method == "loracc-budget" else LORACC_BUDGETS[method]
+
+
+def make_optimizer(method: str, params, device):
+    """AdamW over ``params``: loracc's FusedAdamW for loracc, torch's fused AdamW (foreach on a CPU) otherwise."""
+    import torch
+
+    if method.startswith("loracc"):
+        import loracc
+
+        return loracc.FusedAdamW(params, lr=LEARNING_RATE)
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=device == "cuda")
