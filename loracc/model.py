@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import cross_entropy
+from . import verify as verification
 from .capture import RUN_HOOKS, module_fingerprint
 from .codegen import get_backend
 from .errors import LoraccError
@@ -48,7 +49,8 @@ class CompiledState:
     previous_forwards: dict = field(default_factory=dict)
 
 
-def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool | str = "auto") -> nn.Module:
+def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool | str = "auto",
+            verify: bool | None = None) -> nn.Module:
     """Compile ``model``'s LoRA training step in place and return it.
 
     The returned object is ``model`` itself: its parameters, ``state_dict``, PEFT's
@@ -68,6 +70,11 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     gain, GPU-bound ones (Llama-3.2-1B at 4×2048) stay as they are. Only with the fastest plan
     (``memory_budget=None``): each layer's graphs keep buffers for their inputs and outputs, memory a
     budget did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
+    ``verify``: the first call of every graph loracc compiles also runs eagerly on the same inputs
+    (the same dropout masks) and their outputs and gradients are compared within dtype-aware
+    tolerances (``loracc/verify.py``); a region that differs warns (what differed, by how much,
+    where) and runs eagerly from then on. ``None``: on where the environment has ``LORACC_VERIFY=1``.
+    Costs one extra compiled and eager forward + backward per compiled graph.
     """
     if not isinstance(model, nn.Module):
         raise LoraccError(f"loracc.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -96,6 +103,8 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
         persistent_bytes=persistent_bytes(model),
     )
     _install(model, state)
+    for region in state.regions:
+        region.verify = verification.enabled(verify)
     model._loracc = state
     return model
 

@@ -30,6 +30,7 @@ class RegionReport:
     loss: str | None = None  # head regions: how the projection + loss run
     cuda_graphs: list[str] = field(default_factory=list)  # per graph replayed as a CUDA graph or not, and why
     traces: list[str] = field(default_factory=list)  # per call signature: traced, or read from the trace cache
+    verified: list[str] = field(default_factory=list)  # verify mode: per program checked, the result
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Report:
                 lines.append(f"      loss: {r.loss}")
             for trace in r.traces:
                 lines.append(f"      {trace}")
+            for result in r.verified:
+                lines.append(f"      {result}")
             for decision in r.cuda_graphs:
                 lines.append(f"      {decision}")
             for reason in r.recompiles:
@@ -122,6 +125,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             loss=_loss(program) if program and region.kind == "head" else None,
             cuda_graphs=_graph_decisions(region),
             traces=_traces(region),
+            verified=[v.describe() for v in region.verifications],
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):

@@ -6,6 +6,10 @@ dtypes, devices and flags (compiling it on a miss: a recompile, counted), and ru
 calling module's own parameters as inputs, so the user's parameters receive the gradients.
 Calls it cannot compile, and every call outside training (``eval()``, ``torch.no_grad()``,
 generation), run the module's original eager forward.
+
+With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
+compiles is first checked against the eager forward (``loracc.verify``); a program that differs
+makes the whole region run eagerly from then on, with a warning and a ``Fallback`` saying why.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import verify as verification
 from .capture import call_signature, module_state, tensor_key
 from .cuda_graphs import Replayer, check_lease, share_decisions
 from .errors import Unsupported
@@ -92,10 +97,14 @@ class Region:
     fallbacks: list[Fallback] = field(default_factory=list)
     recompile_reasons: list[str] = field(default_factory=list)
     compile_seconds: float = 0.0
+    verify: bool = False  # check each program's first call against eager (loracc.verify)
+    verifications: list = field(default_factory=list)  # verify.Verification, one per program checked
+    mismatch: str | None = None  # set when a program differed from eager: the region runs eagerly
+    _verified: dict = field(default_factory=dict)  # id → program, for the programs checked
     _warned_storm: bool = False
 
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict):
-        if not (module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()) or self.mismatch is not None:
             return eager_forward(*args, **kwargs)
         try:
             signature = call_signature(args, kwargs)
@@ -113,9 +122,25 @@ class Region:
                 self.programs[key] = program
         if program is None:
             return eager_forward(*args, **kwargs)
+        if self.verify and id(program) not in self._verified and not self._verify(program, module, path, eager_forward, signature):
+            return eager_forward(*args, **kwargs)
         self.calls += 1
         outputs = _RegionFunction.apply(program, *state, *signature.tensors)
         return program.captured.rebuild_output(outputs)
+
+    def _verify(self, program: Program, module, path, eager_forward, signature) -> bool:
+        """Check ``program``'s first call against eager; False (and the region eager from now on) if it differs."""
+        self._verified[id(program)] = program
+        names, state = module_state(module)
+        result = verification.verify_call(program, eager_forward, names, state, signature,
+                                          lambda inputs: _RegionFunction.apply(program, *inputs))
+        self.verifications.append(result)
+        if result.passed:
+            log.info("region %s: %s", self.name, result.describe())
+            return True
+        self.mismatch = f"verify: {path}'s compiled program {result.describe()}"
+        self._fall_back(self.name, f"{self.mismatch}; the region runs eagerly from now on")
+        return False
 
     def _dynamic_program(self, key, tensors) -> Program | None:
         """A symbolic program of this region that computes a call with ``key`` and these inputs."""

@@ -1,0 +1,293 @@
+"""Verification mode: the first call of every newly compiled program is checked against eager.
+
+``loracc.compile(model, verify=True)`` (or ``LORACC_VERIFY=1`` in the environment) makes a region,
+at the first call of each program it compiles (static or symbolic), run that call twice more
+before the real one, on detached copies of the call's tensors: once through the compiled program,
+once through the module's eager forward, each from the same random-number state (so dropout draws
+the same masks), each followed by a backward with one random cotangent per output (the same for
+both) through ``torch.autograd.grad``, which leaves the parameters' ``.grad`` untouched.
+``verify_call`` compares the outputs and the gradients of the region's inputs and parameters.
+
+Takes: a program, the module's eager forward, its state (parameters then buffers) and the call.
+Guarantees: a ``Verification`` that passed only when every output and every gradient is within
+``tolerance`` (``relative_error``: ‖compiled − eager‖ / ‖eager‖, the non-finite entries equal);
+on a mismatch, the worst tensor, its error and, where the traced stages can tell
+(``localize``), the first stage of the pipeline whose graph differs from eager and the first node
+of it that differs. The random-number state after the verification is the state before it, so the
+real call draws what the verified ones drew. Costs one extra forward and backward of the region
+in compiled and in eager form, once per program, with their activations.
+
+Tolerances are dtype-aware: the lowest precision among the call's floating tensors, the module's
+state and autocast's dtype decides (``TOLERANCES``); fp32 under TF32 matmuls counts as fp16.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from . import _compat
+
+TOLERANCES = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def enabled(verify: bool | None) -> bool:
+    """``verify`` as given to ``loracc.compile``; None reads ``LORACC_VERIFY`` (on unless empty or 0)."""
+    if verify is None:
+        return os.environ.get("LORACC_VERIFY", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(verify)
+
+
+@dataclass
+class Check:
+    """One compared tensor: what it is (``output 0``, ``gradient of layers.0.q_proj.lora_A...``) and its error."""
+
+    name: str
+    error: float
+
+
+@dataclass
+class Verification:
+    """The verification of one program at its first call."""
+
+    call: str  # the call's tensors, as dtype[shape]
+    dynamic: bool  # a symbolic program (serves other sizes too)
+    tolerance: float
+    outputs: list[Check] = field(default_factory=list)
+    gradients: list[Check] = field(default_factory=list)
+    problem: str | None = None  # set when compiled and eager disagree in structure, not in values
+    where: str | None = None  # on a mismatch: where the pipeline first differs, if found
+
+    @property
+    def output_error(self) -> float:
+        return max((c.error for c in self.outputs), default=0.0)
+
+    @property
+    def gradient_error(self) -> float:
+        return max((c.error for c in self.gradients), default=0.0)
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None and max(self.output_error, self.gradient_error) <= self.tolerance
+
+    def describe(self) -> str:
+        """One line: PASS with the errors, or what differed, by how much, and where."""
+        errors = f"outputs {self.output_error:.1e}, gradients {self.gradient_error:.1e} (tolerance {self.tolerance:.0e})"
+        if self.passed:
+            return f"verified against eager at {self.call}: {errors}"
+        if self.problem is not None:
+            what = self.problem
+        else:
+            worst = max(self.outputs + self.gradients, key=lambda c: c.error)
+            what = f"{worst.name} differs by {worst.error:.1e} relative (tolerance {self.tolerance:.0e}); {errors}"
+        where = f"; {self.where}" if self.where else ""
+        return f"differs from eager at {self.call}: {what}{where}"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got − want‖ / ‖want‖ in float64 over the finite entries (‖got − want‖ where ‖want‖ is 0);
+    infinite where shapes differ or the non-finite entries (NaN, ±inf) are not the same."""
+    if got.shape != want.shape:
+        return math.inf
+    got, want = got.detach().double(), want.detach().to(got.device).double()
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(
+            got[~finite].nan_to_num(nan=0.0), want[~finite].nan_to_num(nan=0.0)):
+        return math.inf
+    got, want = got[finite], want[finite]
+    denom = want.norm().item()
+    diff = (got - want).norm().item()
+    return diff / denom if denom else diff
+
+
+def tolerance(tensors: list[torch.Tensor]) -> float:
+    """The tolerance for a call computing in the lowest precision of ``tensors``' floating dtypes,
+    autocast's dtype where it is on, and TF32 for fp32 matmuls on CUDA where it is allowed."""
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    device_types = {t.device.type for t in tensors}
+    for device_type in device_types:
+        if torch.is_autocast_enabled(device_type):
+            dtypes.add(torch.get_autocast_dtype(device_type))
+    if "cuda" in device_types and torch.float32 in dtypes and torch.backends.cuda.matmul.allow_tf32:
+        dtypes.add(torch.float16)
+    return max((TOLERANCES.get(d, 2e-2) for d in dtypes), default=TOLERANCES[torch.float32])
+
+
+def verify_call(program, eager_forward: Callable, names: list[str], state: list[torch.Tensor], signature,
+                run_compiled: Callable[[list[torch.Tensor]], tuple]) -> Verification:
+    """Run the call ``signature`` through ``run_compiled`` (the program's autograd Function) and
+    through ``eager_forward`` and compare (see the module's docstring). ``names``: the state's."""
+    calls = [t.detach().requires_grad_(t.requires_grad) for t in signature.tensors]
+    inputs = list(state) + calls
+    labels = list(names) + [f"argument tensor {i}" for i in range(len(calls))]
+    targets = [i for i, t in enumerate(inputs) if t.requires_grad]
+    result = Verification(call=", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in calls),
+                          dynamic=program.dynamic, tolerance=tolerance(inputs))
+    devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):  # the real call draws from the state before this
+        rng = _rng_state(devices)
+        flat = run_compiled(inputs)
+        got = _leaves(program.captured.rebuild_output(flat))
+        _set_rng_state(devices, rng)
+        args, kwargs = signature.rebuild(calls)
+        want = _leaves(eager_forward(*args, **kwargs))
+        problem = _structure_problem(got, want)
+        if problem is not None:
+            result.problem = problem
+            return result
+        cotangents = _cotangents([w for w in want if isinstance(w, torch.Tensor)])
+        got_grads = _gradients(got, cotangents, [inputs[i] for i in targets])
+        want_grads = _gradients(want, cotangents, [inputs[i] for i in targets])
+        tensors = [(g, w) for g, w in zip(got, want) if isinstance(w, torch.Tensor)]
+        result.outputs = [Check(f"output {i}", relative_error(g, w)) for i, (g, w) in enumerate(tensors)]
+        for index, g, w in zip(targets, got_grads, want_grads):
+            if g is None and w is None:
+                continue
+            g = torch.zeros_like(inputs[index]) if g is None else g
+            w = torch.zeros_like(inputs[index]) if w is None else w
+            result.gradients.append(Check(f"gradient of {labels[index]}", relative_error(g, w)))
+        if not result.passed:
+            _set_rng_state(devices, rng)
+            try:
+                result.where = localize(program, inputs, [w for _, w in tensors], cotangents, targets, want_grads,
+                                        result.tolerance, devices, rng)
+            except Exception as exc:  # noqa: BLE001 - a hint only: the mismatch is reported regardless
+                result.where = f"the stage that differs could not be found ({type(exc).__name__}: {exc})"
+    return result
+
+
+def _leaves(output) -> list:
+    return _compat.tree_flatten(output)[0]
+
+
+def _structure_problem(got: list, want: list) -> str | None:
+    if len(got) != len(want):
+        return f"the compiled region returns {len(got)} values, eager {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(g, torch.Tensor) != isinstance(w, torch.Tensor):
+            return f"output {i} is a {type(g).__name__} compiled, a {type(w).__name__} eager"
+        if isinstance(w, torch.Tensor) and (g.shape != w.shape or g.dtype != w.dtype):
+            return (f"output {i} is {g.dtype}{list(g.shape)} compiled, {w.dtype}{list(w.shape)} eager")
+    return None
+
+
+def _cotangents(outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """A random cotangent for each output that needs a gradient, from a generator of its own
+    (the global random state is left alone)."""
+    generators: dict = {}
+    found = []
+    for out in outputs:
+        if not out.requires_grad:
+            found.append(None)
+            continue
+        if out.device not in generators:
+            generators[out.device] = torch.Generator(device=out.device).manual_seed(0)
+        found.append(torch.randn(out.shape, generator=generators[out.device], device=out.device, dtype=out.dtype))
+    return found
+
+
+def _gradients(outputs: list, cotangents: list, wrt: list[torch.Tensor]) -> list:
+    tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+    pairs = [(o, c) for o, c in zip(tensors, cotangents) if c is not None and o.requires_grad]
+    if not pairs or not wrt:
+        return [None] * len(wrt)
+    return list(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True))
+
+
+def _rng_state(devices: list[int]):
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_state(devices: list[int], state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for d, s in zip(devices, cuda):
+        torch.cuda.set_rng_state(s, d)
+
+
+# --- where it differs ------------------------------------------------------------------------
+
+def localize(program, inputs, want_outputs, cotangents, targets, want_grads, tol, devices, rng) -> str | None:
+    """The first stage of ``program`` whose graph, run on the call's inputs, differs from eager,
+    with the first node of it whose value differs from the same node of the stage before; or that
+    every stage agrees (the difference is in the compiled code). Runs each stage's graph with ATen
+    (reference implementations for loracc's ops), from the random state ``rng``."""
+    stages = program.stages
+    inputs = [t.detach() for t in inputs]
+    differentiable = [w.is_floating_point() for w in want_outputs]
+    tangents = [c if c is not None else torch.zeros_like(w) for c, w in zip(cotangents, want_outputs)]
+
+    def differs(outs, grads=None) -> bool:
+        outs = outs[: len(want_outputs)]
+        if any(relative_error(o, w) > tol for o, w in zip(outs, want_outputs)):
+            return True
+        if grads is None:
+            return False
+        return any(w is not None and (g is None or relative_error(g, w) > tol) for g, w in zip(grads, want_grads))
+
+    forward_style = [name for name in stages if name not in ("joint", "remat", "forward", "backward")]
+    previous = None
+    for name in forward_style:
+        _set_rng_state(devices, rng)
+        with torch.no_grad():
+            outs = list(stages[name](*inputs))
+        if differs(outs):
+            return _first_difference(name, previous, stages, inputs, tol, devices, rng)
+        previous = name
+    needs_grad = [t.requires_grad for t in inputs]
+    for name in ("joint", "remat"):
+        if name not in stages:
+            continue
+        _set_rng_state(devices, rng)
+        with torch.no_grad():
+            results = list(stages[name](*inputs, *[t for t, d in zip(tangents, differentiable) if d]))
+        grads = results[len(want_outputs):]
+        if len([g for g in needs_grad if g]) == len(grads) and differs(results, grads):
+            return f"first differs in the {name} graph (the forward graphs agree with eager: the backward as derived)"
+    if "forward" in stages and "backward" in stages:
+        _set_rng_state(devices, rng)
+        with torch.no_grad():
+            results = list(stages["forward"](*inputs))
+            outs, saved = results[: len(want_outputs)], results[len(want_outputs):]
+            grads = list(stages["backward"](*saved, *[t.contiguous() for t, d in zip(tangents, differentiable) if d]))
+        full = [None] * len(inputs)
+        for index, grad in zip(program.grad_inputs, grads):
+            full[index] = grad
+        if differs(outs, [full[i] for i in targets]):
+            return "first differs in the partitioned forward/backward graphs (remat, partition, fusion or memory plan)"
+    return "every stage's graph run with ATen agrees with eager: the difference is in the compiled kernels"
+
+
+def _first_difference(name, previous, stages, inputs, tol, devices, rng) -> str:
+    where = f"first differs in the {name} graph" if previous is None else f"first differs after the {name} pass"
+    if previous is None:
+        return where + " (the trace itself)"
+    before = _values(stages[previous], inputs, devices, rng)
+    after = _values(stages[name], inputs, devices, rng)
+    for node in stages[name].graph.nodes:
+        a, b = after.get(node.name), before.get(node.name)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() and relative_error(a, b) > tol:
+            module = node.meta.get("loracc", {}).get("module")
+            return (f"{where}, at node {node.name} ({node.target}{', module ' + module if module else ''}): "
+                    f"{relative_error(a, b):.1e} relative to the {previous} graph")
+    return where
+
+
+def _values(gm: fx.GraphModule, inputs, devices, rng) -> dict:
+    """The value of every node of ``gm`` run on ``inputs``, by node name (first output of tuples)."""
+    values = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            values[node.name] = value
+            return value
+
+    _set_rng_state(devices, rng)
+    with torch.no_grad():
+        Recorder(gm).run(*inputs)
+    return values
