@@ -282,3 +282,43 @@ def test_attention_processor_with_data_dependent_control_flow_runs_eagerly():
     report = loracc.explain(compiled)
     assert {f.module for f in report.fallbacks} >= {"down_blocks.1.attentions.0", "mid_block.attentions.0"}
     assert any("ResnetBlock2D" in r.name and r.calls > 0 for r in report.regions)
+
+
+@pytest.fixture
+def example(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    return importlib.import_module("finetune_diffusion_lora")
+
+
+@pytest.mark.parametrize("name", ["sdxl", "flux", "sd3"])
+def test_example_trains_tiny_and_saves_a_lora_diffusers_loads(name, example, capsys, tmp_path):
+    model = example.main(["--model", name, "--tiny", "--steps", "2", "--device", "cpu", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert re.search(r"^images/s: ", out, re.M) and re.search(r"^loss: first [\d.]+, last [\d.]+", out, re.M), out
+    assert "0 fallback(s) to eager" in out, out
+    kind = example.KINDS[name]
+    # The example's own base weights, rebuilt from its seed; the LoRA loaded as load_lora_weights does.
+    torch.manual_seed(0)
+    fresh, _, _ = example.build_model(example.parse_args(["--model", name, "--tiny"]), torch.device("cpu"), torch.float32)
+    base_keys = [k for k in fresh.state_dict()]
+    trained_state = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(fresh.state_dict()[k], trained_state[k]) for k in base_keys)
+    fresh.load_lora_adapter(tmp_path, prefix=kind.prefix, weight_name="pytorch_lora_weights.safetensors")
+    case = {"sdxl": CASES["sdxl_unet"], "flux": CASES["flux"], "sd3": CASES["sd3"]}[name]
+    kwargs, _ = case.batch(torch.Generator().manual_seed(3))
+    model.eval()
+    fresh.eval()
+    with torch.no_grad():
+        assert rel_err(fresh(**copy.deepcopy(kwargs)).sample, model(**copy.deepcopy(kwargs)).sample) <= 1e-5
+
+
+def test_example_reads_a_local_diffusers_pipeline_directory(example, capsys, tmp_path):
+    torch.manual_seed(5)
+    source = tiny_sd3()
+    source.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    model = example.main(["--model-dir", str(tmp_path / "pipe"), "--steps", "1", "--device", "cpu", "--rank", "4",
+                         "--resolution", "64"])
+    assert "SD3Transformer2DModel" in capsys.readouterr().out
+    weight = model.transformer_blocks[1].attn.to_q.base_layer.weight
+    assert torch.equal(weight, source.transformer_blocks[1].attn.to_q.weight)
