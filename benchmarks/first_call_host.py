@@ -1,6 +1,6 @@
 """Host (Python) time of loracc's first training call, split by pipeline stage.
 
-Builds a Llama-3.2-1B-shaped model (``bench.WORKLOADS``, random weights) with PEFT LoRA r=16 on
+Builds a Llama-3.2-1B-shaped model (``benchmarks.workloads``, random weights) with PEFT LoRA r=16 on
 q, k, v, o, gate, up, down, calls ``loracc.compile`` and times the first forward + backward: the
 time each stage of ``pipeline.compile_call`` takes (``codegen``: the backend's ``compile``), summed
 over the programs compiled (the decoder layer's two call signatures and the head), and the rest of
@@ -11,9 +11,11 @@ a GPU; ``--codegen`` then also times the Triton backend's host work on the same 
 rendering; nothing is launched: ``TRITON_INTERPRET=1``). With ``--device cuda`` (4 x 2048 tokens
 by default) the Triton backend runs the step; warm the kernel cache with a first run.
 
-    PYTHONPATH=. python benchmarks/first_call_host.py [--seq 16] [--codegen]
-    PYTHONPATH=. python benchmarks/first_call_host.py --profile 40   # cProfile of compile_call: top 40
-    PYTHONPATH=. python benchmarks/first_call_host.py --device cuda
+    python -m benchmarks first-call [--seq 16] [--codegen]
+    python -m benchmarks first-call --profile 40   # cProfile of compile_call: top 40
+    python -m benchmarks first-call --device cuda
+
+The stage times are also written as one record (``--out``, default the run's folder).
 """
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ import pstats
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if "cuda" in sys.argv else "1")  # before triton is imported
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-import bench  # noqa: E402
 import loracc  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.workloads import LORA_ALPHA, LORA_R, LORA_TARGETS, WORKLOADS  # noqa: E402
 from loracc import codegen, passes, pipeline, runtime  # noqa: E402
 
 STAGES = ["capture_forward", "copy_graph", "derive_joint", "remat", "partition", "fusion", "memory_plan"]
@@ -59,7 +62,7 @@ def instrument(seconds: dict, profiler: cProfile.Profile | None) -> None:
         runtime.compile_call = functools.partial(profiler.runcall, compile_call)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=None, help="default: 1 on the CPU, 4 on a GPU")
@@ -68,19 +71,20 @@ def main() -> None:
     parser.add_argument("--codegen", action="store_true", help="CPU: also time the Triton backend's compile of each graph")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile compile_call, print the top N")
     parser.add_argument("--profile-out", metavar="FILE", help="with --profile: also save the stats (pstats) there")
-    args = parser.parse_args()
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/<date>-<device>-<commit>/first-call.json)")
+    args = parser.parse_args(argv)
     gpu = args.device != "cpu"
     batch, seq = args.batch or (4 if gpu else 1), args.seq or (2048 if gpu else 128)
 
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    config = bench.WORKLOADS["llama-3.2-1b"]["config"]
+    config = WORKLOADS["llama-3.2-1b"]["config"]
     torch.manual_seed(0)
     with torch.device(args.device):
         base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa"))
     model = get_peft_model(base.to(getattr(torch, args.dtype)), LoraConfig(
-        r=bench.LORA_R, lora_alpha=bench.LORA_ALPHA, target_modules=bench.LORA_TARGETS, task_type="CAUSAL_LM"))
+        r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
     model.train()
     ids = torch.randint(0, config["vocab_size"], (batch, seq), device=args.device)
 
@@ -108,6 +112,9 @@ def main() -> None:
         print(f"    {name:<20}{s:7.3f} s")
     print(f"    {'the rest':<20}{in_pipeline - sum(seconds.values()):7.3f} s")
     print(f"  second step      {second:7.3f} s")
+    record = dict(workload="llama-3.2-1b", dtype=args.dtype, batch=batch, seq=seq, device=args.device,
+                  programs=len(programs), compile_s=compile_s, first_step_s=first, compile_call_s=in_pipeline,
+                  stages_s=dict(seconds), second_step_s=second)
     if args.codegen and not gpu:
         from loracc.codegen.triton_backend import TritonBackend
 
@@ -121,7 +128,11 @@ def main() -> None:
             profiler.dump_stats(args.profile_out)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+    out = harness.write(Path(args.out) if args.out else harness.default_out("first-call", gpu), harness.provenance(gpu),
+                        [record])
+    print(f"results: {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

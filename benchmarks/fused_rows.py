@@ -1,6 +1,6 @@
 """Fused pointwise/reduction kernels on the GPU: bandwidth of each kernel, and the step with and without them.
 
-    python benchmarks/fused_rows.py --workload qwen2-0.5b --workload llama-3.2-1b --out results/
+    python -m benchmarks fused-rows --workload qwen2-0.5b --workload llama-3.2-1b [--out FILE.json]
 
 Part 1 (kernels): compiles the workload (or ``bert-base``: LayerNorm and GELU) with loracc, takes every group the ``fusion`` pass made
 in the block and head regions (forward and backward), and times its generated kernel and the same
@@ -18,44 +18,18 @@ step time over ``--steps`` steps after warm-up, peak memory.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import graph_ms as _graph_ms
+from benchmarks.workloads import WORKLOADS, build_model
 
 
 def _median_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def _graph_ms(fn, repeats: int = 10) -> float:
-    """GPU time of one ``fn`` call without its Python launch cost: ``repeats`` calls captured in a
-    CUDA graph, replayed, timed with CUDA events, divided."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    return _median_ms(graph.replay) / repeats
+    return harness.median_ms(fn, repeats=repeats, cuda=True)
 
 
 def copy_bandwidth() -> float:
@@ -106,9 +80,9 @@ def kernels(workload: str) -> list[dict]:
         peft_model, loss = _bert("cuda")
         loracc.compile(peft_model, backend="triton")
     else:
-        model, peft_model, _ = bench.build_model(workload, "loracc", "cuda")
+        model, peft_model, _ = build_model(workload, "loracc", "cuda")
         loracc.compile(peft_model, backend="triton")
-        spec = bench.WORKLOADS[workload]
+        spec = WORKLOADS[workload]
         ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device="cuda")
         loss = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
     loss().backward()
@@ -152,11 +126,11 @@ def step(workload: str, variant: str, steps: int) -> dict:
         pipeline.fusion = lambda gm: PassResult(gm, {})
 
     method = "peft-eager" if variant == "peft-eager" else "loracc"
-    model, peft_model, _ = bench.build_model(workload, method, "cuda")
+    model, peft_model, _ = build_model(workload, method, "cuda")
     if variant.startswith("loracc"):
         graphs = {"loracc-graphs": True, "loracc": "auto"}.get(variant, False)
         loracc.compile(peft_model, backend="triton", cuda_graphs=graphs)
-    spec = bench.WORKLOADS[workload]
+    spec = WORKLOADS[workload]
     ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]),
                         generator=torch.Generator().manual_seed(1)).cuda()
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
@@ -184,51 +158,38 @@ def step(workload: str, variant: str, steps: int) -> dict:
                 peak_memory_bytes=peak, first_step_s=first, losses=[float(x) for x in losses[:4]], cuda_graphs=graphs)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS) + ["bert-base"],
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS) + ["bert-base"],
                         help="repeatable; bert-base (a 2-layer BERT-base-shaped encoder, 64×512) for --part kernels only")
     parser.add_argument("--part", choices=["kernels", "steps", "all"], default="all")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variant", action="append", choices=["peft-eager", "loracc-nofusion", "loracc-nographs", "loracc", "loracc-graphs"])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per step variant's process")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/<date>-<device>-<commit>/fused-rows.json)")
     parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("fused-rows measures Triton kernels on a CUDA GPU; there is none here")
     if args.one:
-        print("RESULT " + json.dumps(step(*args.one, args.steps)), flush=True)
-        return
+        harness.emit_result(step(*args.one, args.steps))
+        return 0
     workloads = args.workload or ["qwen2-0.5b", "llama-3.2-1b"]
-    import triton
-    import transformers
-
-    record = dict(
-        date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
-        triton=triton.__version__, transformers=transformers.__version__,
-        command="python " + " ".join(sys.argv), copy_gbps=None, kernels=[], steps=[],
-    )
+    run = harness.provenance(True, copy_gbps=None)
+    records = []
     if args.part in ("kernels", "all"):
-        record["copy_gbps"] = copy_bandwidth()
-        print(f"copy bandwidth: {record['copy_gbps']:.0f} GB/s", flush=True)
+        run["copy_gbps"] = copy_bandwidth()
+        print(f"copy bandwidth: {run['copy_gbps']:.0f} GB/s", flush=True)
         for workload in workloads:
-            record["kernels"] += kernels(workload)
+            records += [dict(kind="kernel", **row) for row in kernels(workload)]
     if args.part in ("steps", "all"):
         for workload in workloads:
             for variant in args.variant or ("peft-eager", "loracc-nofusion", "loracc"):
-                proc = subprocess.run([sys.executable, __file__, "--one", workload, variant, "--steps", str(args.steps)],
-                                      capture_output=True, text=True)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if lines:
-                    result = json.loads(lines[-1][len("RESULT "):])
-                else:
-                    result = dict(workload=workload, variant=variant, error=(proc.stderr or proc.stdout)[-2000:])
-                record["steps"].append(result)
-                print(json.dumps(result), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"fused_rows_{record['date']}_{torch.cuda.get_device_name().split()[1].lower()}.json"
-    (out / name).write_text(json.dumps(record, indent=1))
-    print(f"wrote {out / name}")
-
-
-if __name__ == "__main__":
-    main()
+                result, why = harness.in_subprocess("fused-rows", ["--one", workload, variant, "--steps", str(args.steps)],
+                                                    args.timeout)
+                result = result or dict(workload=workload, variant=variant, status="error", error=why)
+                records.append({"kind": "step", "status": "ok", **result})
+                print(result, flush=True)
+    out = harness.write(Path(args.out) if args.out else harness.default_out("fused-rows", True), run, records)
+    print(f"results: {out}")
+    return 0

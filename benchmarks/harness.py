@@ -230,6 +230,53 @@ def load(path: Path | str) -> dict:
     return data
 
 
-def default_out(kind: str, suffix: str = ".json") -> Path:
-    """``benchmarks/results/<kind>-<date>.json``: where a run goes unless ``--out`` says."""
-    return RESULTS / f"{kind}-{datetime.date.today().isoformat()}{suffix}"
+def device_slug(device: str) -> str:
+    """A folder-name word for a device: 'NVIDIA H100 80GB HBM3' → 'h100', any CPU → 'cpu'."""
+    if device.startswith("CPU"):
+        return "cpu"
+    words = [w for w in device.lower().replace("-", " ").split() if w not in ("nvidia", "tesla", "geforce")]
+    return "".join(c for c in (words[0] if words else "gpu") if c.isalnum()) or "gpu"
+
+
+def run_dir(cuda: bool) -> Path:
+    """``benchmarks/results/<date>-<device>-<commit>/``: the folder of this run (its JSON, report
+    and plots); the commit is $BENCH_GIT_COMMIT or the tree's HEAD, 7 characters."""
+    commit = (os.environ.get("BENCH_GIT_COMMIT") or git("rev-parse", "HEAD") or "nocommit")[:7]
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return RESULTS / f"{date}-{device_slug(device_name(cuda)[0])}-{commit}"
+
+
+def default_out(kind: str, cuda: bool | None = None, suffix: str = ".json") -> Path:
+    """``<run_dir>/<kind>.json``: where a subcommand writes unless ``--out`` says."""
+    return run_dir(cuda_available() if cuda is None else cuda) / f"{kind}{suffix}"
+
+
+# ---------------------------------------------------------------------------------------------
+# One measurement in a process of its own (a clean peak, and a crash that ends only it)
+# ---------------------------------------------------------------------------------------------
+
+RESULT_PREFIX = "BENCH-RESULT "
+
+
+def emit_result(result) -> None:
+    """What a subprocess started by ``in_subprocess`` hands back: one line on stdout."""
+    print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
+
+
+def in_subprocess(subcommand: str, argv: list[str], timeout: float, env: dict | None = None):
+    """Run ``python -m benchmarks <subcommand> <argv>`` and return (its ``emit_result`` value, "")
+    or (None, why not: the exit code or the timeout, and the end of its output)."""
+    cmd = [sys.executable, "-m", "benchmarks", subcommand, *argv]
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stderr or exc.stdout or ""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return None, f"timeout after {timeout:.0f} s: " + " | ".join(out.strip().splitlines()[-3:])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if lines:
+        return json.loads(lines[-1][len(RESULT_PREFIX):]), ""
+    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+    return None, f"exit {proc.returncode}: " + " | ".join(tail)

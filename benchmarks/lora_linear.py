@@ -1,6 +1,6 @@
 """One LoRA linear, forward + backward: loracc's fused kernels against the frozen GEMMs and PEFT.
 
-    LORACC_CACHE_DIR=/tmp/loracc-cache python benchmarks/lora_linear.py --out DIR
+    LORACC_CACHE_DIR=/tmp/loracc-cache python -m benchmarks lora-linear [--out DIR]
 
 At each shape of ../shared/ANCHORS.md (T = 8192 tokens, r = 16, bf16):
 
@@ -12,29 +12,26 @@ At each shape of ../shared/ANCHORS.md (T = 8192 tokens, r = 16, bf16):
 
 Every candidate the autotuner may pick (each template config and the cuBLAS variant, forward and
 input gradient) is first checked against an fp32 reference on the same random inputs. Times are
-medians of ``triton.testing.do_bench`` (CUDA events). Writes ``lora_linear.json`` and
-``lora_linear.md`` to ``--out`` and prints the table last.
+medians of ``triton.testing.do_bench`` (CUDA events). Writes ``lora-linear.json`` (the harness's
+record: one per shape) and ``lora-linear.md`` to ``--out`` (default: the run's folder) and prints
+the table last.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loracc.codegen import autotune, lora_linear  # noqa: E402
+from benchmarks import harness
+from loracc.codegen import autotune, lora_linear
 
 SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 14336)]
 SCALE = 2.0
@@ -114,9 +111,7 @@ def frozen_step(layer):
 
 
 def bench(fn, grad_to_none=None) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+    return harness.kernel_ms(fn, grad_to_none=grad_to_none)
 
 
 def run_shape(tokens, in_f, out_f, rank, adapter_dtype) -> dict:
@@ -151,14 +146,7 @@ def run_shape(tokens, in_f, out_f, rank, adapter_dtype) -> dict:
 
 def cpu_time(fn, steps: int = 20) -> float:
     """Host milliseconds per call while the GPU queue absorbs the launches: above the GPU time, the step is CPU-bound."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / steps * 1e3
+    return harness.host_ms(fn, steps)
 
 
 def graphed(fn) -> float | str:
@@ -194,14 +182,9 @@ def warm_first_call(tokens, in_f, out_f, rank) -> float:
 
 
 def environment() -> dict:
-    import triton
-
-    return {
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())), "torch": torch.__version__,
-        "triton": triton.__version__, "python": platform.python_version(),
-        "cache_dir": os.environ.get("LORACC_CACHE_DIR", "(default)"), "command": " ".join(sys.argv),
-    }
+    """The run's provenance, with the device's compute capability and the kernel cache in use."""
+    return harness.provenance(True, capability=".".join(map(str, torch.cuda.get_device_capability())),
+                              cache_dir=os.environ.get("LORACC_CACHE_DIR", "(default)"))
 
 
 def table(rows) -> str:
@@ -229,13 +212,15 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", help="folder (default benchmarks/results/<date>-<device>-<commit>/)")
     parser.add_argument("--shapes", default=None, help="e.g. 2048x512,4096x4096 (default: the six of ANCHORS.md)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("lora-linear times Triton kernels on a CUDA GPU; there is none here")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     rows, failures = [], []
     for in_f, out_f in shapes:
@@ -249,20 +234,19 @@ def main():
     mixed = make_layer(args.tokens, 4096, 4096, args.rank, torch.bfloat16, torch.float32)
     fp32_adapter_errors = [rel_err(g, e) for g, e in zip(loracc_step(mixed), reference_step(mixed))]
     warm = warm_first_call(args.tokens, 4096, 4096, args.rank)
-    result = {"environment": environment(), "rows": rows, "fp32_adapters_4096_errors": fp32_adapter_errors,
-              "warm_first_call_s_4096x4096": warm, "failures": failures}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lora_linear.json").write_text(json.dumps(result, indent=1, default=str))
+    out = Path(args.out) if args.out else harness.run_dir(True)
+    harness.write(out / "lora-linear.json", environment(), rows, fp32_adapters_4096_errors=fp32_adapter_errors,
+                  warm_first_call_s_4096x4096=warm, failures=failures)
     text = table(rows)
-    (out / "lora_linear.md").write_text(text + "\n")
+    (out / "lora-linear.md").write_text(text + "\n")
     cold = [r["first_call_s"] for r in rows if (r["in"], r["out"]) == (4096, 4096)]
     print(f"fp32 adapters (4096x4096) rel errors y, dX, dA, dB: {[f'{e:.1e}' for e in fp32_adapter_errors]}")
     print(f"first fused call at 4096x4096: cold {cold[0] if cold else float('nan'):.2f} s (compile + autotune), "
           f"warm {warm:.2f} s (a second process, cache filled)")
     print("FAILURES: " + json.dumps(failures, default=str) if failures else "all candidates within tolerance")
     print(text)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

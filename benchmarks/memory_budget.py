@@ -2,36 +2,33 @@
 
 For each workload (the Qwen2-0.5B- and Llama-3.2-1B-shaped steps of ANCHORS.md) and each budget,
 one process builds the model, compiles it with ``loracc.compile(model, memory_budget=budget)``,
-trains ``--warmup + --steps`` steps (setup, model, batch, optimizer and timing are ``bench.py``'s)
+trains ``--warmup + --steps`` steps (setup, model, batch, optimizer and timing are the ``step`` subcommand's)
 and records the measured peak (``torch.cuda.max_memory_allocated``: over the whole run, and in the
 steady state, the second half of the timed steps, after every capture and autotuning; and the most
 the caching allocator reserved, which also counts CUDA graphs' temporaries), the peak loracc predicted
 before the first step, the bytes each region saves, and the median step time.
 
-    python benchmarks/memory_budget.py                         # both workloads, the default budgets
-    python benchmarks/memory_budget.py --workload qwen2-0.5b --budget 0.5 --budget 8GB
-    python benchmarks/memory_budget.py --tiny                  # CPU smoke run (no peak measured)
-    python benchmarks/memory_budget.py --budget none --budget save-all   # against no rematerialization
+    python -m benchmarks memory                         # both workloads, the default budgets
+    python -m benchmarks memory --workload qwen2-0.5b --budget 0.5 --budget 8GB
+    python -m benchmarks memory --tiny                  # CPU smoke run (no peak measured)
+    python -m benchmarks memory --budget none --budget save-all   # against no rematerialization
 
-Results: JSON to ``--out`` (default ``benchmarks/results/memory_budget-<date>.json``), a table on
-stdout, and with matplotlib a plot of peak memory and tokens/s against the budget next to the JSON.
+Results: JSON to ``--out`` (default ``benchmarks/results/<date>-<device>-<commit>/memory.json``), a
+table on stdout, and with matplotlib a plot of peak memory and tokens/s against the budget next to the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
-import os
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import bench
+from benchmarks import harness
+from benchmarks.workloads import WORKLOADS, build_model, parse_budget
 
 BUDGETS = ["none", "1.0", "0.75", "0.5", "0.25", "0.1", "0.0", "8GB"]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 SAVE_ALL = "save-all"  # not a loracc budget: nothing rematerialized (remat.saving_everything), for comparison
@@ -39,7 +36,7 @@ SAVE_ALL = "save-all"  # not a loracc budget: nothing rematerialized (remat.savi
 
 def budget_value(text: str):
     """'none' or 'save-all' → None, '0.5' → 0.5 (a fraction), '8GB' → '8GB', '8000000000' → int bytes."""
-    return None if text.lower() in ("none", SAVE_ALL) else bench.parse_budget(text)
+    return None if text.lower() in ("none", SAVE_ALL) else parse_budget(text)
 
 
 def persistent_bytes(peft_model) -> int:
@@ -59,13 +56,15 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
 
     record = dict(workload=workload, budget=budget_text, batch=batch, seq=seq, status="ok")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, peft_model, _ = bench.build_model(workload, "loracc", device)
+    model, peft_model, _ = build_model(workload, "loracc", device)
     plans = saving_everything() if budget_text == SAVE_ALL else contextlib.nullcontext()
     try:
         with plans:  # the plans are made at the first steps
             loracc.compile(peft_model, memory_budget=budget_value(budget_text))
             args = SimpleNamespace(workload=workload, method="loracc", batch=batch, seq=seq, steps=steps, warmup=warmup)
-            record.update(bench.train(model, peft_model, args, device))
+            from benchmarks.step import train
+
+            record.update(train(model, peft_model, args, device))
     except loracc.LoraccError as exc:
         return {**record, "status": "refused", "error": str(exc)}
     except torch.cuda.OutOfMemoryError as exc:
@@ -147,7 +146,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", action="append", choices=sorted(bench.WORKLOADS), help="repeatable")
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable")
     parser.add_argument("--budget", action="append", help=f"repeatable; default {' '.join(BUDGETS)}")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
@@ -160,7 +159,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.one:
         workload, budget, batch, seq = args.one.split(",")
-        print(json.dumps(run_one(workload, budget, int(batch), int(seq), args.steps, args.warmup)))
+        harness.emit_result(run_one(workload, budget, int(batch), int(seq), args.steps, args.warmup))
         return 0
 
     if args.tiny:
@@ -168,42 +167,25 @@ def main(argv=None) -> int:
     workloads = ["tiny"] if args.tiny else (args.workload or ["qwen2-0.5b", "llama-3.2-1b"])
     records = []
     for workload in workloads:
-        spec = bench.WORKLOADS[workload]
+        spec = WORKLOADS[workload]
         batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
         for budget in args.budget or BUDGETS:
             start = time.monotonic()
             argv_one = ["--one", f"{workload},{budget},{batch},{seq}", "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            record, why = _spawn(argv_one, args.timeout)
+            record, why = harness.in_subprocess("memory", argv_one, args.timeout)
             record = record or dict(workload=workload, budget=budget, batch=batch, seq=seq, status="error", error=why)
             record["wall_s"] = time.monotonic() - start
             records.append(record)
             print(table([record]).splitlines()[-1], flush=True)
-    out = Path(args.out) if args.out else RESULTS / f"memory_budget-{datetime.date.today()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     import torch
 
-    settings = SimpleNamespace(cuda=torch.cuda.is_available(), warmup=args.warmup, steps=args.steps, loracc_budget=None)
-    out.write_text(json.dumps({"environment": bench.environment(settings), "records": records}, indent=1))
+    cuda = torch.cuda.is_available()
+    run = harness.provenance(cuda, settings=dict(warmup=args.warmup, steps=args.steps))
+    out = harness.write(Path(args.out) if args.out else harness.default_out("memory", cuda), run, records)
     plot(records, out.with_suffix(".png"))
     print(table(records))
     print(f"results: {out}")
     return 0 if all(r["status"] in ("ok", "refused") for r in records) else 1
-
-
-def _spawn(argv: list[str], timeout: float):
-    """Run this script's worker in its own process (a clean peak); (record, "") or (None, why)."""
-    import subprocess
-
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bench.REPO), os.environ.get("PYTHONPATH", "")])}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return None, f"timeout after {timeout:.0f} s"
-    last = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
-    if proc.returncode == 0 and last:
-        return json.loads(last[0]), ""
-    return None, f"exit {proc.returncode}: " + " | ".join((proc.stderr or "").strip().splitlines()[-3:])
 
 
 if __name__ == "__main__":

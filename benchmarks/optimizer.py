@@ -1,30 +1,26 @@
 """The optimizer step over a LoRA model's parameters: loracc.FusedAdamW against torch's AdamW.
 
-    python benchmarks/optimizer.py [--out benchmarks/results/optimizer_h100.json]
-    TRITON_INTERPRET=1 python benchmarks/optimizer.py --tiny --out /tmp/optimizer.json   # CPU check
+    python -m benchmarks optimizer [--out FILE.json]
+    TRITON_INTERPRET=1 python -m benchmarks optimizer --tiny --out /tmp/optimizer.json   # CPU check
 
 The parameters are those of Llama-3.2-1B with LoRA r=16 on all seven projections (16 layers, 224
 tensors, 11.3M parameters, fp32), allocated directly (no model). Each optimizer steps on the same
 fixed random gradients: ``step()`` alone is timed, the median over ``--steps`` steps after warm-up
 (CUDA events on a GPU, the wall clock elsewhere). Before timing, FusedAdamW's parameters after three
-steps are compared with torch.optim.AdamW's from the same start. Writes JSON (date, device,
-versions, command, results) to ``--out`` and prints a table.
+steps are compared with torch.optim.AdamW's from the same start. Writes the harness's record
+(provenance, one record per optimizer, the check) to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loracc import FusedAdamW  # noqa: E402
+from benchmarks import harness
+from loracc import FusedAdamW
 
 # Llama-3.2-1B: hidden 2048, intermediate 8192, 32 query heads and 8 key/value heads of 64.
 LLAMA_3_2_1B = {"layers": 16, "projections": {"q_proj": (2048, 2048), "k_proj": (2048, 512), "v_proj": (2048, 512),
@@ -80,20 +76,10 @@ def time_steps(optimizer, device, warmup: int, steps: int) -> list[float]:
     """Milliseconds of each of ``steps`` calls of ``optimizer.step()`` after ``warmup`` calls."""
     for _ in range(warmup):
         optimizer.step()
-    times = []
+    clock = harness.Clock(device.type == "cuda")
     for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            optimizer.step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            optimizer.step()
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
+        clock.call(optimizer.step)
+    return clock.ms()
 
 
 def run(args) -> dict:
@@ -112,25 +98,22 @@ def run(args) -> dict:
             continue
         results[name] = {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "steps": steps}
     error = check(shapes, device)
-    import triton
-
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} (no GPU)",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": "tiny" if args.tiny else "Llama-3.2-1B LoRA r=16, all 7 projections",
-        "tensors": len(shapes), "parameters": sum(a * b for a, b in shapes), "dtype": "float32",
-        "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup": warmup,
+        "run": harness.provenance(
+            device.type == "cuda", model="tiny" if args.tiny else "Llama-3.2-1B LoRA r=16, all 7 projections",
+            tensors=len(shapes), parameters=sum(a * b for a, b in shapes), dtype="float32", lr=LR,
+            weight_decay=WEIGHT_DECAY, warmup=warmup),
+        "records": [dict(method=name, **row) for name, row in results.items()],
         "check": {"max_rel_err_vs_torch_adamw": error, "tolerance": TOLERANCE, "ok": error <= TOLERANCE},
-        "results": results,
     }
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['tensors']} tensors, {report['parameters']:,} parameters ({report['dtype']}) on {report['device']}",
+    run = report["run"]
+    lines = [f"{run['tensors']} tensors, {run['parameters']:,} parameters ({run['dtype']}) on {run['device']}",
              f"{'optimizer':<22} {'median ms':>10} {'min ms':>10}"]
-    for name, row in report["results"].items():
+    for row in report["records"]:
+        name = row["method"]
         if row["status"] == "ok":
             lines.append(f"{name:<22} {row['median_ms']:>10.3f} {row['min_ms']:>10.3f}")
         else:
@@ -143,17 +126,18 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/optimizer_h100.json")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/<date>-<device>-<commit>/optimizer.json)")
     parser.add_argument("--device", default=None, help="default: cuda when there is a GPU, else cpu")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tiny", action="store_true", help="a few small tensors and 3 steps (a CPU check of this script)")
     args = parser.parse_args(argv)
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    out = harness.write(Path(args.out) if args.out else harness.default_out("optimizer", cuda), report["run"],
+                        report["records"], check=report["check"])
     print(table(report))
+    print(f"results: {out}")
     return 0 if report["check"]["ok"] else 1
 
 

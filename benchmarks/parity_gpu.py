@@ -1,6 +1,6 @@
 """GPU parity of loracc.compile against eager PEFT in bf16, and one step time of each.
 
-    python benchmarks/parity_gpu.py --out results.json
+    python -m benchmarks parity [--layers 4] [--out FILE.json]
 
 A Llama-3.2-1B-shaped decoder (hidden 2048, 32 heads, 8 KV heads, MLP 8192, vocab 128256; fewer
 layers with --layers) with random bf16 weights and PEFT LoRA r=16 on all seven projections. The
@@ -11,12 +11,14 @@ backward + AdamW; median of --steps steps after 3 warm-up steps, timed with CUDA
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+
+from benchmarks import harness
 
 
 def build(layers: int, seed: int = 0):
@@ -57,36 +59,40 @@ def one_step(model, batch):
 
 def time_steps(model, batch, steps):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    times, losses = [], []
-    torch.cuda.reset_peak_memory_stats()
-    first = time.perf_counter()
-    for i in range(steps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    losses = []
+
+    def step():
         opt.zero_grad(set_to_none=True)
         loss = model(**batch).loss
         loss.backward()
         opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i == 0:
-            first = time.perf_counter() - first
-        losses.append(loss.item())
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return {"step_ms": statistics.median(times), "first_step_s": first, "losses": losses[:5],
-            "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+        losses.append(loss.detach())
+
+    torch.cuda.reset_peak_memory_stats()
+    first = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - first
+    for _ in range(2):
+        step()
+    clock = harness.Clock(cuda=True)
+    for _ in range(steps):
+        clock.call(step)
+    return {"step_ms": statistics.median(clock.ms()), "first_step_s": first,
+            "losses": [float(x) for x in losses[:5]], "peak_memory_bytes": torch.cuda.max_memory_allocated()}
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--backends", default="eager,auto")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/<date>-<device>-<commit>/parity.json)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("parity compares bf16 on a CUDA GPU; there is none here (the CPU parity tests are in tests/)")
     device = "cuda"
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 128256, (args.batch, args.seq), generator=generator).to(device)
@@ -98,12 +104,7 @@ def main():
     del reference
     torch.cuda.empty_cache()
 
-    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "config": vars(args), "reference_loss_fp32": ref_loss, "methods": {}}
-    import triton
-    import transformers
-    import peft
-    results.update(triton=triton.__version__, transformers=transformers.__version__, peft=peft.__version__)
+    results = {"methods": {}}
 
     peft_grads = None
     methods = [("peft_eager", None)] + [(f"loracc_{b}", b) for b in args.backends.split(",")]
@@ -127,9 +128,11 @@ def main():
         speed = f"{base / r['step_ms']:>7.2f}x" if base else "      -"
         print(f"{name:<16} {r['loss_rel_err']:>11.2e} {r['max_grad_rel_err']:>15.2e} {r['step_ms']:>8.1f} "
               f"{speed} {r['peak_memory_bytes'] / 1e9:>8.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+    run = harness.provenance(True, settings=vars(args), reference_loss_fp32=ref_loss)
+    records = [dict(method=name, status="error" if "error" in r else "ok", **r) for name, r in results["methods"].items()]
+    out = harness.write(Path(args.out) if args.out else harness.default_out("parity", True), run, records)
+    print(f"results: {out}")
+    return 0
 
 
 def run_method(name, backend, args, batch, ref_loss, ref_grads, peft_grads):
@@ -163,4 +166,4 @@ def run_method(name, backend, args, batch, ref_loss, ref_grads, peft_grads):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few steps of each method, on the GPU.
 
-    python benchmarks/profile_step.py --workload qwen2-0.5b --method peft-eager --method loracc
+    python -m benchmarks profile --workload qwen2-0.5b --method peft-eager --method loracc
 
 Prints, per method, the step's wall time, the GPU's busy time, and the kernels and CPU-side ops
 that take the most time; writes the full tables (and a Chrome trace with --trace) under --out.
@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
+from benchmarks.workloads import WORKLOADS, build_model
 
 
 def profile(method: str, workload: str, batch: int, seq: int, steps: int, out: str | None, trace: bool,
             python: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    model, peft_model, _ = bench.build_model(workload, method.split(":")[0], "cuda")
+    model, peft_model, _ = build_model(workload, method.split(":")[0], "cuda")
     if method.startswith("loracc"):
         import loracc
 
         loracc.compile(peft_model, backend=method.split(":")[1] if ":" in method else "auto")
-    vocab = bench.WORKLOADS[workload]["config"]["vocab_size"]
+    vocab = WORKLOADS[workload]["config"]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).cuda()
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
 
@@ -83,8 +81,8 @@ def cold(workload: str, batch: int, seq: int, out: str | None, cache: str | None
     os.environ["TRITON_CACHE_DIR"] = f"{root}/triton"
     import loracc
 
-    model, peft_model, _ = bench.build_model(workload, "loracc", "cuda")
-    vocab = bench.WORKLOADS[workload]["config"]["vocab_size"]
+    model, peft_model, _ = build_model(workload, "loracc", "cuda")
+    vocab = WORKLOADS[workload]["config"]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).cuda()
     optimizer = loracc.FusedAdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
     from triton.runtime.jit import JITFunction
@@ -155,9 +153,9 @@ def _python_profile(step, steps: int) -> str:
     return f"### cProfile over {steps} steps\n" + text.getvalue()
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", default="qwen2-0.5b", choices=sorted(bench.WORKLOADS))
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="qwen2-0.5b", choices=sorted(WORKLOADS))
     parser.add_argument("--method", action="append", default=None,
                         help="peft-eager, loracc, loracc:eager, loracc:triton (repeatable)")
     parser.add_argument("--batch", type=int, default=8)
@@ -169,14 +167,17 @@ def main():
     parser.add_argument("--cold", action="store_true",
                         help="profile loracc's compile and first steps in empty caches instead")
     parser.add_argument("--cache", help="with --cold: the cache folder to use (run twice: the second run is warm)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("profile runs on a CUDA GPU; there is none here")
     if args.cold:
         print(cold(args.workload, args.batch, args.seq, args.out, args.cache))
-        return
+        return 0
     summary = []
     for method in args.method or ["peft-eager", "loracc"]:
         summary.append(profile(method, args.workload, args.batch, args.seq, args.steps, args.out, args.trace, args.python))
     print("\n".join(summary))
+    return 0
 
 
 if __name__ == "__main__":

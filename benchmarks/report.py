@@ -1,13 +1,16 @@
-"""Markdown tables and plots from the JSON that ``benchmarks/bench.py`` writes.
+"""Markdown tables and plots from the benchmarks' JSON records (``harness.write``'s schema).
 
-    python benchmarks/report.py benchmarks/results/bench-*.json --out-dir benchmarks/results
+    python -m benchmarks report                          # the latest run's folder in benchmarks/results/
+    python -m benchmarks report benchmarks/results/RUN/  # one run's folder: writes RUN/README.md
+    python -m benchmarks report a.json b.json --out-dir DIR
 
-Writes ``README.md`` in ``--out-dir`` with, for every run: where and how it ran, one table per
-workload (every method, failures included, with its losses and their parity against eager PEFT, and
-the end of a failed worker's output), loracc against the best peer, and, when the run has a sequence
-sweep, peak memory against sequence length and the longest sequence that fits in 8 GiB and 24 GiB
-(measured, and estimated between and beyond the measured lengths). Plots (SVG) need matplotlib;
-without it the report says so and has tables only.
+Writes ``README.md`` in the run's folder (or ``--out-dir``) with, for every JSON file: where and how
+it ran, and for the step benchmark one table per workload (every method, failures included, with
+its losses and their parity against eager PEFT, and the end of a failed worker's output), loracc
+against the best peer, the varying-length workloads with their targets, and, when the run has a
+sequence sweep, peak memory against sequence length and the longest sequence that fits in 8 GiB and
+24 GiB (measured, and estimated between and beyond the measured lengths); other subcommands' records
+as one table each. Plots (SVG) need matplotlib; without it the report says so and has tables only.
 
 Memory is printed and plotted in GiB (2^30 bytes), as in ../shared/ANCHORS.md and the targets in the
 issues; the JSON keeps bytes.
@@ -18,6 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks import harness
+
 REFERENCE = "peft-eager"
 TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-4}
 # The loss must fall by about as much as eager PEFT's: a method with wrong gradients learns otherwise.
@@ -26,11 +31,7 @@ GIB = 2**30  # every memory figure printed or plotted is peak_memory_bytes / GIB
 MEMORY_LIMITS_GIB = (8, 24)
 
 
-def load(path: Path) -> dict:
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or "run" not in data or "records" not in data:
-        raise ValueError(f"{path} is not a bench.py result (expected keys 'run' and 'records')")
-    return data
+load = harness.load
 
 
 def parity(record: dict, reference: dict | None) -> str:
@@ -313,15 +314,92 @@ def plots(records: list[dict], out_dir: Path, stem: str) -> tuple[list[str], str
     return files, None
 
 
+def varlen_section(records: list[dict]) -> list[str]:
+    """The varying-length workloads: one table each (the whole run, compilations included), then
+    the targets they are measured against."""
+    from benchmarks import varlen
+
+    rows_by = {}
+    for r in records:
+        if r.get("suite") == "varlen":
+            rows_by.setdefault(r["workload"], []).append(r)
+    if not rows_by:
+        return []
+    lines = ["### Varying lengths", "",
+             "Each method trains every step once in a fresh process; **run s** is the wall time of the whole "
+             "run, compilations included, and **real tokens/s** counts the tokens that are not padding over it "
+             "(**2nd half**: over the second half of the steps). **new-shape host ms**: the host time of a step "
+             f"whose shape is new, after the first {varlen.SETTLED} shapes (median / max). Layouts are described "
+             "in `benchmarks/varlen.py`.", ""]
+    for workload, rows in rows_by.items():
+        reference = next((r for r in rows if r["method"] == REFERENCE), None)
+        ref_rate = reference.get("tokens_per_s") if reference and reference.get("status") == "ok" else None
+        first = next((r for r in rows if r.get("status") == "ok"), rows[0])
+        layout = workload_layout(workload)
+        lines += [f"#### {workload} ({layout}; {first.get('steps', '?')} steps, {first.get('distinct_shapes', '?')} "
+                  f"shapes, padding {_num(first.get('pad_fraction'), '.0%')})", "",
+                  "| method | status | run s | real tokens/s | vs eager | 2nd half tokens/s | first step s | "
+                  "new-shape host ms | peak GiB | parity |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("status") != "ok":
+                lines.append(f"| {r['method']} | {r.get('status')} | | | | | | | | {_cell((r.get('error') or '')[:160])} |")
+                continue
+            vs = f"{r['tokens_per_s'] / ref_rate:.2f}×" if ref_rate and r.get("tokens_per_s") else "—"
+            new = (f"{r['new_shape_host_ms_median']:.1f} / {r['new_shape_host_ms_max']:.1f}"
+                   if r.get("new_shape_host_ms_max") is not None else "—")
+            lines.append(
+                f"| {r['method']} | ok | {r['wall_s_run']:.1f} | {r['tokens_per_s']:,.0f} | {vs} | "
+                f"{_num(r.get('second_half_tokens_per_s'), ',.0f')} | {r['first_step_s']:.1f} | {new} | "
+                f"{_num(r.get('peak_memory_bytes'), '.2f', 1 / GIB)} | {parity(r, reference)} |")
+        lines += [""] + failure_outputs(rows)
+    lines += ["Targets:", ""] + [f"- {line}" for line in varlen.targets(records)] + [""]
+    return lines
+
+
+def workload_layout(workload: str) -> str:
+    from benchmarks.workloads import WORKLOADS
+
+    spec = WORKLOADS.get(workload, {}).get("varlen")
+    return spec["layout"] if spec else "?"
+
+
+def generic_section(records: list[dict]) -> list[str]:
+    """Records of a subcommand without a section of its own: one table of their scalar fields."""
+    keys = list(dict.fromkeys(k for r in records for k, v in r.items()
+                              if isinstance(v, (int, float, str, bool)) or v is None))[:12]
+    if not keys:
+        return []
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in records:
+        cells = [r.get(k) for k in keys]
+        lines.append("| " + " | ".join(_cell(f"{c:.4g}" if isinstance(c, float) else ("" if c is None else c))[:80]
+                                       for c in cells) + " |")
+    return lines + [""]
+
+
+def is_step(records: list[dict]) -> bool:
+    return any("method" in r and "workload" in r and ("step_ms" in r or "wall_s_run" in r or "suite" in r)
+               for r in records)
+
+
+def provenance_lines(run: dict) -> list[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items() if v)
+    commit = run.get("git_commit") or "unknown"
+    return [f"- command: `{run.get('command')}` (commit {commit}{', with local changes' if run.get('git_dirty') else ''})",
+            f"- {run.get('device')}, driver {run.get('driver') or '—'}, Python {run.get('python')}, {versions}"]
+
+
 def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
     run, records = data["run"], data["records"]
-    versions = ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items() if v)
+    if not is_step(records):
+        extra = {k: v for k, v in data.items() if k not in ("run", "records")}
+        return ([f"## {stem}: {run.get('date')}", ""] + provenance_lines(run)
+                + [f"- {k}: `{_cell(json.dumps(v, default=str))[:300]}`" for k, v in extra.items()]
+                + [""] + generic_section(records))
     rate = run.get("matmul_tflops")
-    commit = run.get("git_commit") or "unknown"
     lines = [
-        f"## {run.get('device')}, {run.get('date')}", "",
-        f"- command: `{run.get('command')}` (commit {commit}{', with local changes' if run.get('git_dirty') else ''})",
-        f"- driver {run.get('driver') or '—'}, Python {run.get('python')}, {versions}",
+        f"## {stem}: {run.get('device')}, {run.get('date')}", "",
+        *provenance_lines(run),
         f"- matrix rate for MFU: {rate:.3g} TFLOP/s ({run.get('matmul')}), measured at the start of the run"
         if rate else "- matrix rate: not measured, so no MFU",
         f"- FLOPs per token: {run.get('flops_formula')}",
@@ -345,6 +423,7 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
         summary = loracc_summary(rows)
         lines += ["", summary, ""] if summary else [""]
         lines += failure_outputs(rows)
+    lines += varlen_section(records)
     lines += sweep_section(records)
     files, why = plots(records, out_dir, stem)
     lines += [f"![{name}]({name})" for name in files] or [f"_{why}_"]
@@ -352,14 +431,13 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
 
 
 def write_report(paths: list[Path], out_dir: Path) -> Path:
-    """Write ``out_dir/README.md`` (and plots) for the runs in ``paths``, newest first."""
+    """Write ``out_dir/README.md`` (and plots) for the record files in ``paths``, newest first."""
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = sorted(((Path(p), load(p)) for p in paths), key=lambda item: item[1]["run"].get("date", ""), reverse=True)
     lines = ["# Benchmark results", "",
-             "Generated by `benchmarks/report.py` from "
+             "Generated by `python -m benchmarks report` from "
              + ", ".join(f"`{p.name}`" for p, _ in runs)
-             + ", which `benchmarks/bench.py` wrote; regenerate rather than edit. Every figure below comes "
-             "from those files.", ""]
+             + "; regenerate rather than edit. Every figure below comes from those files.", ""]
     for path, data in runs:
         lines += run_section(data, out_dir, path.stem)
     readme = out_dir / "README.md"
@@ -367,15 +445,45 @@ def write_report(paths: list[Path], out_dir: Path) -> Path:
     return readme
 
 
+def run_files(folder: Path) -> list[Path]:
+    """The record files of a run's folder (JSON with 'run' and 'records')."""
+    found = []
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            load(path)
+        except (ValueError, json.JSONDecodeError):
+            continue
+        found.append(path)
+    return found
+
+
+def latest_run() -> Path | None:
+    """The newest run folder of benchmarks/results/ (folder names begin with the date)."""
+    folders = sorted((p for p in harness.RESULTS.iterdir() if p.is_dir() and run_files(p)), key=lambda p: p.name)
+    return folders[-1] if folders else None
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Markdown tables and plots from bench.py's JSON")
-    parser.add_argument("results", nargs="*", type=Path, help="JSON files (default: benchmarks/results/bench-*.json)")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="*", type=Path,
+                        help="a run's folder, or JSON files (default: the latest folder in benchmarks/results/)")
+    parser.add_argument("--out-dir", type=Path, help="where README.md goes (default: the run's folder)")
     args = parser.parse_args(argv)
-    paths = args.results or sorted((Path(__file__).parent / "results").glob("bench-*.json"))
-    if not paths:
-        parser.error("no result files given and none in benchmarks/results/: run benchmarks/bench.py first")
-    print(write_report(paths, args.out_dir))
+    if not args.results:
+        latest = latest_run()
+        if latest is None:
+            parser.error("no run folder in benchmarks/results/: run `python -m benchmarks step` first")
+        args.results = [latest]
+    if len(args.results) == 1 and args.results[0].is_dir():
+        folder = args.results[0]
+        paths = run_files(folder)
+        if not paths:
+            parser.error(f"{folder} holds no benchmark record (JSON with 'run' and 'records')")
+        print(write_report(paths, args.out_dir or folder))
+        return 0
+    if args.out_dir is None:
+        parser.error("with JSON files, say where the report goes (--out-dir)")
+    print(write_report(args.results, args.out_dir))
     return 0
 
 

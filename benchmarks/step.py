@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run; later rows are skipped")
     parser.add_argument("--try-without-gpu", action="store_true", help="run Liger and Unsloth even without a GPU")
     parser.add_argument("--estimate", action="store_true", help="print the plan and its H100 time estimate, run nothing")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-<date>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<device>-<commit>/step.json)")
     parser.add_argument("--append", action="store_true", help="add the rows to --out's run instead of replacing it")
     parser.add_argument("--report-dir", default=None, help="also write the Markdown report and plots there")
     parser.add_argument("--worker", choices=["step", "matmul"], help=argparse.SUPPRESS)
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
             print(f"  {job.workload:>13} {job.batch}x{','.join(map(str, job.seqs)):<24} {job.method:<19} {kind}")
         return 0
     deadline = time.monotonic() + (args.deadline or float("inf"))
-    out = Path(args.out) if args.out else harness.default_out("bench")
+    out = Path(args.out) if args.out else harness.default_out("step")
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         # The first worker imports while the matrix rate is measured, in a process of its own, which
         # also tells whether there is a GPU.
