@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import loracc
-from loracc.distributed import global_num_items
+from loracc.distributed import all_reduce_gradients, global_num_items
 from loracc.presets import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,11 +202,14 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
     ref_losses, ref_grads, ref_params = reference_run(batches)
 
     model = fresh()
-    if ddp_args.get("find_unused_parameters"):
+    if wrap == "none":  # no DDP: FusedAdamW's flat gradient buffers, all-reduced after the backward
+        net = loracc.compile(model)
+        net.no_sync = contextlib.nullcontext
+    elif ddp_args.get("find_unused_parameters"):
         model.base_model.model.unused_adapter = torch.nn.Linear(3, 3)  # trainable, never called
     if wrap == "ddp(compile)":
         net = DDP(loracc.compile(model), **ddp_args)
-    else:
+    elif wrap == "compile(ddp)":
         net = loracc.compile(DDP(model, **ddp_args))
     opt_class = loracc.FusedAdamW if optimizer == "fused" else torch.optim.AdamW
     opt = opt_class(list(trainable(model).values()), lr=LR)
@@ -221,6 +224,8 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
                 loss.backward()
             total += loss.item()
         losses.append(global_mean(total))
+        if wrap == "none":
+            all_reduce_gradients(opt)
         if step == 0:
             got = grads(model)
             unused = got.pop("base_model.model.unused_adapter.weight", None), got.pop("base_model.model.unused_adapter.bias", None)
@@ -363,6 +368,7 @@ SCENARIOS = {
     "compiled_of_ddp": lambda r, w, o: ddp(r, w, o, wrap="compile(ddp)"),
     "bucket_view_fused": lambda r, w, o: ddp(r, w, o, optimizer="fused", gradient_as_bucket_view=True),
     "no_sync": lambda r, w, o: ddp(r, w, o, accumulate=2),
+    "flat_all_reduce": lambda r, w, o: ddp(r, w, o, wrap="none", optimizer="fused", accumulate=2),
     "unused": lambda r, w, o: ddp(r, w, o, find_unused_parameters=True),
     "varying": varying,
     "varying_naive": lambda r, w, o: varying(r, w, o, normalise=False),
@@ -378,6 +384,7 @@ SCENARIOS = {
 # Tests
 
 WORLD2 = list(SCENARIOS)
+WORLD4 = ["ddp_of_compiled", "varying", "fsdp_after_keep"]
 
 
 @pytest.fixture(scope="module")
@@ -402,6 +409,12 @@ def test_ddp_matches_single_process(world2, name):
 def test_ddp_bucket_view_with_fused_adamw(world2):
     """gradient_as_bucket_view=True with loracc.FusedAdamW's flat buffers: still the same steps."""
     _parity(results(world2, "bucket_view_fused"))
+
+
+def test_flat_buffer_all_reduce_without_ddp(world2):
+    """No DDP: loracc.FusedAdamW with all_reduce_gradients after two accumulated micro-batches, one
+    all-reduce per flat buffer: the same steps as a single process."""
+    _parity(results(world2, "flat_all_reduce"))
 
 
 def test_ddp_no_sync_accumulation(world2):
@@ -471,3 +484,40 @@ def test_checkpoint_resumes_on_one_process(world2, engine, tmp_path):
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+
+def test_four_ranks(tmp_path):
+    """4 ranks: DDP, global token normalisation (ranks 1-3 with shorter sequences) and FSDP2 equal
+    a single process on the global batch."""
+    runs = spawn(4, WORLD4, tmp_path)
+    for name in WORLD4:
+        _parity(results(runs, name))
+
+
+def test_helpers_need_a_process_group():
+    """Without torch.distributed.init_process_group the helpers say so, not a torch traceback."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(loracc.LoraccError, match="init_process_group"):
+        global_num_items(torch.ones(2, 5, dtype=torch.long))
+    with pytest.raises(loracc.LoraccError, match="init_process_group"):
+        all_reduce_gradients(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))]))
+
+
+def test_helpers_in_a_single_rank_group(tmp_path):
+    """World size 1: global_num_items counts the shifted labels that are not -100; all_reduce_gradients
+    refuses an optimizer without flat buffers, naming what to do instead."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        labels = torch.randint(0, 50, (3, 9))
+        labels[0, 4:] = -100
+        labels[2, 0] = -100  # position 0 is never a target: not counted either way
+        assert global_num_items(labels).item() == 3 * 8 - 5
+        assert global_num_items(labels, shift=False).item() == 3 * 9 - 6
+        with pytest.raises(loracc.LoraccError, match="FusedAdamW"):
+            all_reduce_gradients(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))]))
+    finally:
+        dist.destroy_process_group()
