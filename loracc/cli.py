@@ -1,4 +1,5 @@
-"""The ``loracc`` command: ``dump`` a region's graph after each stage, ``explain`` a model.
+"""The ``loracc`` command: ``dump`` a region's graph after each stage, ``explain`` a model,
+``check`` a model's compiled training step against eager (verification mode, ``loracc.verify``).
 
 The model is one of:
 
@@ -7,7 +8,8 @@ The model is one of:
 - a local Hugging Face directory: a causal LM (LoRA added with ``--r``/``--targets``) or a PEFT
   adapter directory whose base model is local;
 - ``module:function``: a function returning ``(model, batch)``, ``batch`` a dict of keyword
-  arguments (or a tuple of positional ones) for one training call.
+  arguments (or a tuple of positional ones) for one training call; or returning a Hugging Face
+  causal LM alone, which gets a batch of random tokens (``--batch`` × ``--seq``).
 """
 from __future__ import annotations
 
@@ -42,8 +44,11 @@ def load_model(spec: str, *, r: int = 8, targets=None, batch: int = 2, seq: int 
         except (ImportError, AttributeError) as exc:
             raise LoraccError(f"cannot load {spec!r}: {exc}; give module:function importable from here") from exc
         result = func()
+        if isinstance(result, torch.nn.Module) and isinstance(getattr(getattr(result, "config", None), "vocab_size", None), int):
+            result = result, presets.token_batch(result.config.vocab_size, batch, seq)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise LoraccError(f"{spec} must return (model, batch), got {type(result).__name__}")
+            raise LoraccError(f"{spec} must return (model, batch) (or a Hugging Face causal LM alone), "
+                              f"got {type(result).__name__}")
         model, example = result
     else:
         raise LoraccError(
@@ -141,6 +146,60 @@ def cmd_dump(args) -> None:
             print(f"\n# DOT and JSON of every stage written to {out_dir}/")
 
 
+def cmd_check(args) -> int:
+    """One training step in verification mode; a table per region. Exit status 1 on a mismatch."""
+    import loracc
+
+    model, example = load_model(args.model, r=args.r, targets=args.targets, batch=args.batch, seq=args.seq,
+                                dtype=args.dtype, device=args.device)
+    if _randomize_zero_lora_b(model):
+        print("LoRA B weights that were all zero (PEFT's initialization) got small random values, so that "
+              "every gradient is checked")
+    model = loracc.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget), verify=True)
+    out = _call(model, example)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    rows = [_check_row(region) for region in model._loracc.regions]
+    header = ("region", "programs", "outputs", "gradients", "tolerance", "result")
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+    details = [(region.name, reason) for region in model._loracc.regions
+               for reason in [f.reason for f in region.fallbacks]]
+    for name, reason in details:
+        print(f"{name}: {reason}")
+    return 1 if any(row[-1] == "MISMATCH" for row in rows) else 0
+
+
+def _check_row(region) -> tuple:
+    """(region, programs checked, largest output error, largest gradient error, tolerance, result)."""
+    checks = region.verifications
+    errors = [f"{max(getattr(c, kind) for c in checks):.1e}" if checks else "-" for kind in ("output_error", "gradient_error")]
+    tolerance = f"{max(c.tolerance for c in checks):.0e}" if checks else "-"
+    if region.mismatch is not None:
+        result = "MISMATCH"
+    elif region.fallbacks:
+        result = "FALLBACK"
+    elif checks:
+        result = "PASS"
+    else:
+        result = "UNCALLED"
+    return (region.name, len(checks), *errors, tolerance, result)
+
+
+def _randomize_zero_lora_b(model) -> bool:
+    """Give LoRA B weights that are all zero small random values (a zero B makes A's gradient zero
+    in eager and compiled alike, which would check nothing); True if any was."""
+    changed = False
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and ("lora_B" in name or "lora_b" in name) and not p.any():
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.02)
+                changed = True
+    return changed
+
+
 def cmd_explain(args) -> None:
     import loracc
 
@@ -174,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="regions, matched LoRA layers, fallbacks, parameter counts")
     _add_model_args(explain)
     explain.set_defaults(func=cmd_explain)
+    check = sub.add_parser("check", help="one training step in verification mode: each region's compiled "
+                                         "outputs and gradients against eager, as a table (exit status 1 on a mismatch)")
+    _add_model_args(check)
+    check.set_defaults(func=cmd_check)
     try:
         from .codegen import kernels_cli
     except ImportError:
@@ -186,11 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except LoraccError as exc:
         print(f"loracc: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -467,15 +467,10 @@ class _Head(nn.Module):
 
     def forward(self, hidden_states, labels, num_items_in_batch=None):
         hidden = self.norm(hidden_states)
+        if not self._fuses(hidden):
+            return self._projection_and_loss(hidden, labels, num_items_in_batch)
         device = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        # fp16 keeps the eager path: its loss scaler's factor reaches the hidden gradient only in the
-        # backward, after the fused op would have rounded the unscaled gradient to fp16.
-        if not self.fused or compute_dtype == torch.float16:
-            logits = self.lm_head(hidden)
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
-                                      num_items_in_batch=num_items_in_batch)
-            return loss, logits
         # Hugging Face's ForCausalLMLoss: tokens < n predict n; the mean over counted tokens, or the
         # sum over num_items_in_batch when the Trainer accumulates gradients.
         # (shifted by slicing, not F.pad, whose tracing fixes symbolic sizes to the traced ones)
@@ -490,6 +485,27 @@ class _Head(nn.Module):
             cross_entropy.chunk_rows_for(self.vocab_size, flat.shape[0]),
         )
         return loss, None
+
+    def _projection_and_loss(self, hidden, labels, num_items_in_batch):
+        logits = self.lm_head(hidden)
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                  num_items_in_batch=num_items_in_batch)
+        return loss, logits
+
+    def reference(self, hidden_states, labels, num_items_in_batch=None):
+        """What ``forward`` computes, the model's own way (its ``lm_head`` and ``loss_function``,
+        logits whole), returned as ``forward`` returns it: verification mode's reference."""
+        hidden = self.norm(hidden_states)
+        loss, logits = self._projection_and_loss(hidden, labels, num_items_in_batch)
+        return (loss, None) if self._fuses(hidden) else (loss, logits)
+
+    def _fuses(self, hidden) -> bool:
+        """Whether the projection + loss run as the fused op. fp16 keeps the eager path: its loss
+        scaler's factor reaches the hidden gradient only in the backward, after the fused op would
+        have rounded the unscaled gradient to fp16."""
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        return self.fused and dtype != torch.float16
 
 
 def _fusable_loss(lm: nn.Module) -> bool:
@@ -547,7 +563,8 @@ class _HeadForward:
         head = self.head
         head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
         loss, logits = self.region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
-                                       {"num_items_in_batch": items} if items is not None else {})
+                                       {"num_items_in_batch": items} if items is not None else {},
+                                       reference=head.reference)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 

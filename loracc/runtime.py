@@ -103,9 +103,14 @@ class Region:
     _verified: dict = field(default_factory=dict)  # id → program, for the programs checked
     _warned_storm: bool = False
 
-    def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict):
-        if not (module.training and torch.is_grad_enabled()) or self.mismatch is not None:
+    def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
+        """The module's call, compiled where it can be. ``reference``: what ``eager_forward``
+        stands for, where that is itself loracc's (the head's fused loss): verification compares
+        against it, and a region that failed verification runs it."""
+        if not (module.training and torch.is_grad_enabled()):
             return eager_forward(*args, **kwargs)
+        if self.mismatch is not None:
+            return (reference or eager_forward)(*args, **kwargs)
         try:
             signature = call_signature(args, kwargs)
         except Unsupported as exc:
@@ -122,8 +127,9 @@ class Region:
                 self.programs[key] = program
         if program is None:
             return eager_forward(*args, **kwargs)
-        if self.verify and id(program) not in self._verified and not self._verify(program, module, path, eager_forward, signature):
-            return eager_forward(*args, **kwargs)
+        if self.verify and id(program) not in self._verified and not self._verify(program, module, path,
+                                                                                  reference or eager_forward, signature):
+            return (reference or eager_forward)(*args, **kwargs)
         self.calls += 1
         outputs = _RegionFunction.apply(program, *state, *signature.tensors)
         return program.captured.rebuild_output(outputs)

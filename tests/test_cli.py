@@ -66,3 +66,65 @@ def test_dump_memory_plots_the_step_before_and_after_remat(tmp_path, capsys):
     # The fastest plan saves less than everything the backward reads, over both layers.
     assert max(timeline["after"]) < max(timeline["before"])
     assert len(timeline["after"]) > len(timeline["before"]) / 2
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A planted pass must not reach a shared trace cache."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LORACC_TRACE_CACHE", "0")
+
+
+def _table(text: str) -> dict:
+    """The check table's rows by region name: [programs, outputs, gradients, tolerance, result]."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("region "))
+    rows = {}
+    for line in lines[start + 1:]:
+        cells = line.rsplit(None, 5)
+        if len(cells) != 6 or cells[-1] not in ("PASS", "MISMATCH", "FALLBACK", "UNCALLED"):
+            break
+        rows[cells[0].strip()] = cells[1:]
+    return rows
+
+
+def test_check_preset_prints_a_passing_row_per_region(private_cache, capsys):
+    pytest.importorskip("peft")
+    assert main(["check", "llama", "--seq", "9"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert len(rows) == 2 and any(name.startswith("head") for name in rows)
+    for name, (programs, outputs, gradients, tolerance, result) in rows.items():
+        assert result == "PASS" and int(programs) >= 1 and tolerance == "1e-04", name
+        assert float(outputs) <= 1e-5 and 0 < float(gradients) <= 1e-5, name
+
+
+def test_check_reports_a_mismatch_and_exits_with_1(private_cache, capsys, monkeypatch):
+    from loracc import pipeline
+    from test_verify import _flip_first_gradient
+
+    real_fusion = pipeline.fusion
+    monkeypatch.setattr(pipeline, "fusion", lambda gm: _flip_first_gradient(real_fusion(gm)))
+    with pytest.warns(UserWarning, match="differs from eager"):
+        assert main(["check", "plain"]) == 1
+    text = capsys.readouterr().out
+    ((programs, outputs, gradients, tolerance, result),) = _table(text).values()
+    assert result == "MISMATCH" and programs == "1" and float(gradients) == pytest.approx(2.0, rel=1e-3)
+    assert "verify:" in text and "runs eagerly from now on" in text
+
+
+def test_check_a_model_alone_from_module_function(private_cache, tmp_path, capsys, monkeypatch):
+    """A function may return a Hugging Face causal LM alone: it gets a batch of random tokens. PEFT's
+    zero LoRA B is given values so that the gradients of A are checked too."""
+    pytest.importorskip("peft")
+    (tmp_path / "user_model.py").write_text(
+        "from peft import LoraConfig, get_peft_model\n"
+        "from loracc import presets\n\n"
+        "def build():\n"
+        "    return get_peft_model(presets.hf_decoder('qwen2'), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "user_model:build", "--seq", "7"]) == 0
+    text = capsys.readouterr().out
+    assert "got small random values" in text
+    rows = _table(text)
+    assert len(rows) == 2 and all(row[-1] == "PASS" and float(row[2]) > 0 for row in rows.values())
