@@ -29,6 +29,22 @@ def _bnb():
     return bnb.functional
 
 
+def _bnb_dequantize(packed, state) -> torch.Tensor:
+    """bitsandbytes' ``dequantize_4bit``: on CUDA its kernel; on the CPU its reference torch backend
+    (``backends/default``, the flat layout its CUDA kernel uses), since the C kernel of its CPU backend
+    (0.50) misplaces blocks when a row is not a multiple of the block size."""
+    F = _bnb()
+    if packed.is_cuda:
+        return F.dequantize_4bit(packed, state)
+    from bitsandbytes.backends.default import ops as reference
+
+    absmax = state.absmax
+    if state.nested:
+        absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    compute = getattr(reference._dequantize_4bit_compute, "__wrapped__", reference._dequantize_4bit_compute)
+    return compute(packed.reshape(-1), absmax, state.code, state.blocksize, state.shape, state.dtype)
+
+
 def _packed_codes(q: nf4.NF4Weight) -> torch.Tensor:
     n = 1
     for s in q.shape:
@@ -113,16 +129,12 @@ def test_dequantize_equals_bitsandbytes_bit_for_bit(shape, dtype, double_quant):
     F = _bnb()
     weight = torch.randn(shape).to(dtype)
     packed, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
-    expected = F.dequantize_4bit(packed, state)
+    expected = _bnb_dequantize(packed, state)
     q = _from_bnb_state(packed, state)
     assert q.shape == tuple(shape) and q.dtype == dtype and q.nested == double_quant
-    for out_dtype in DTYPES:
-        theirs = expected if out_dtype == dtype else F.dequantize_4bit(packed, state).to(torch.float32)
-        ours = q.dequantize(out_dtype)
-        if out_dtype == dtype:
-            assert torch.equal(ours, theirs)
-        else:  # bitsandbytes decodes to the weight's dtype; ours rounds the same fp32 values once
-            assert torch.equal(ours, q.dequantize(torch.float32).to(out_dtype))
+    assert torch.equal(q.dequantize(), expected)
+    for out_dtype in DTYPES:  # bitsandbytes decodes to the weight's dtype; other dtypes round the same fp32 values once
+        assert torch.equal(q.dequantize(out_dtype), q.dequantize(torch.float32).to(out_dtype))
     op = dequant_nf4(q.packed, q.absmax, q.quant_map, q.nested_absmax, q.nested_quant_map, q.offset,
                      list(q.shape), q.blocksize, q.nested_blocksize, dtype)
     assert torch.equal(op, expected)
@@ -253,3 +265,95 @@ def test_the_decoded_weight_is_recomputed_never_saved():
             assert not any(a.target is DEQUANT_NF4 for a in n.all_input_nodes), n.name
     assert all("recomputed" in info(n) for n in decodes)
     assert len([n for n in block.stages["backward"].graph.nodes if n.target is DEQUANT_NF4]) == 7
+
+
+# Models loaded with bitsandbytes 4-bit --------------------------------------------------------------
+
+
+def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64):
+    """A tiny decoder whose frozen linears are ``bnb.nn.Linear4bit`` (as ``load_in_4bit`` builds them), under
+    PEFT's 4-bit LoRA layers. Sizes are multiples of 64: bitsandbytes' CPU C kernel of 0.50 misreads rows of
+    other lengths (see ``_bnb_dequantize``), and this model runs bitsandbytes' own CPU path eagerly."""
+    bnb = pytest.importorskip("bitsandbytes")
+    base = presets.hf_decoder(family, layers=2, intermediate=128)
+    for parent in list(base.model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=torch.float32, compress_statistics=double_quant,
+                                          quant_type=quant_type)
+                layer.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type=quant_type,
+                                                 compress_statistics=double_quant, blocksize=blocksize)
+                if child.bias is not None:
+                    layer.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
+                setattr(parent, name, layer.to("cpu"))
+    base.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets: PEFT picks its 4-bit layers
+    return presets.with_lora(base), presets.token_batch(base.config.vocab_size)
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+def test_bitsandbytes_nf4_layers_are_adopted_over_the_same_tensors(double_quant):
+    from loracc.quant import bnb as adopt_bnb
+
+    model, _ = _bnb_model(double_quant=double_quant)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q_proj).__module__ == "peft.tuners.lora.bnb"
+    before = q_proj.base_layer
+    assert adopt_bnb.adopt(model) == []
+    after = q_proj.base_layer
+    assert isinstance(after, NF4Linear) and after.bias is before.bias
+    assert after.weight.data_ptr() == before.weight.data_ptr()
+    assert after.absmax is before.weight.quant_state.absmax
+    x = torch.randn(3, 5, 64)
+    assert torch.equal(after(x), before(x))
+    assert not any(type(m).__name__ == "Linear4bit" and not hasattr(m, "lora_A") for m in model.modules())
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+def test_adopted_bitsandbytes_model_compiled_matches_peft_bitsandbytes(double_quant):
+    from loracc.quant import bnb as adopt_bnb
+
+    eager, batch = _bnb_model(double_quant=double_quant)
+    compiled = copy.deepcopy(eager)
+    adopt_bnb.adopt(compiled)
+    compiled = loracc.compile(compiled, backend="eager")
+    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    assert rel_err(loss_c, loss_e) <= 1e-5
+    checked = 0
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name
+            checked += 1
+    assert checked == 28
+
+
+@pytest.mark.xfail(strict=True, reason="PEFT's 4-bit LoRA layer clones the base output (result.clone()); lora_match "
+                   "sees no base linear under the clone until cleanup drops a clone nothing else reads")
+def test_peft_bitsandbytes_lora_layers_are_fused():
+    from loracc.quant import bnb as adopt_bnb
+
+    model, batch = _bnb_model()
+    adopt_bnb.adopt(model)
+    compiled = loracc.compile(model, backend="eager")
+    _step(compiled, batch)
+    report = loracc.explain(compiled)
+    assert sorted(report.lora_layers_matched) == sorted(report.lora_layers)
+
+
+def test_unknown_quantized_layouts_are_named():
+    from loracc.quant import bnb as adopt_bnb
+
+    model, _ = _bnb_model(quant_type="fp4")
+
+    class QuantLinear(torch.nn.Module):  # GPTQ's layer, as auto_gptq/gptqmodel name it
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("qweight", torch.zeros(8, 64, dtype=torch.int32))
+
+    layers = model.base_model.model.model.layers
+    layers[1].mlp.extra = QuantLinear()
+    left = dict(adopt_bnb.adopt(model))
+    fp4 = "base_model.model.model.layers.0.self_attn.q_proj.base_layer"
+    assert "FP4" in left[fp4] and "NF4 only" in left[fp4]
+    assert "GPTQ" in left["base_model.model.model.layers.1.mlp.extra"]
+    assert len(left) == 15 and not any(isinstance(m, NF4Linear) for m in model.modules())

@@ -26,11 +26,13 @@ FORMATS = ("nf4",)
 
 
 class NF4Linear(nn.Linear):
-    """``y = x @ Wᵀ + b`` with a frozen NF4 ``W`` decoded to ``compute_dtype`` at every call.
+    """``y = x @ Wᵀ + b`` with a frozen NF4 ``W`` decoded at every call.
 
-    Inputs in another dtype are cast to ``compute_dtype`` and the output cast back (bitsandbytes'
-    ``Linear4bit`` does the same). ``.to(dtype)`` leaves the quantized tensors as they are: their
-    format is fixed; only the bias and ``compute_dtype`` are the layer's float state.
+    ``W`` is decoded to the dtype its quant state records (``weight_dtype``: the dtype the weight had
+    when quantized), then cast to ``compute_dtype`` when that differs: bitsandbytes' ``Linear4bit``
+    computes exactly this (``dequantize_4bit(...).to(compute_dtype)``). Inputs in another dtype are
+    cast to ``compute_dtype`` and the output cast back, as there. ``.to(dtype)`` (``.half()``, ...)
+    sets both dtypes and the bias's; the quantized tensors keep their format (uint8/fp32).
     """
 
     def __init__(self, q: NF4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
@@ -39,20 +41,24 @@ class NF4Linear(nn.Linear):
             raise LoraccError(f"NF4Linear needs a 2-D weight, got shape {list(q.shape)}")
         self.out_features, self.in_features = q.shape
         self.blocksize, self.nested_blocksize = q.blocksize, q.nested_blocksize
-        self.compute_dtype = compute_dtype
+        self.weight_dtype, self.compute_dtype = q.dtype, compute_dtype
         self.weight = nn.Parameter(q.packed, requires_grad=False)
         self.register_buffer("absmax", q.absmax)
         self.register_buffer("quant_map", q.quant_map)
         self.register_buffer("nested_absmax", q.nested_absmax)
         self.register_buffer("nested_quant_map", q.nested_quant_map)
         self.register_buffer("nested_offset", q.offset)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias.detach(), requires_grad=False)
+        self.bias = bias  # the layer's own bias object when it had one: shared, not copied
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, double_quant: bool = True, compute_dtype: torch.dtype | None = None,
                     blocksize: int = BLOCKSIZE, nested_blocksize: int = NESTED_BLOCKSIZE) -> "NF4Linear":
+        """``linear``'s weight quantized; decoded straight to ``compute_dtype`` (default: its dtype)."""
         q = quantize_nf4(linear.weight, double_quant=double_quant, blocksize=blocksize, nested_blocksize=nested_blocksize)
-        return cls(q, linear.bias, compute_dtype or linear.weight.dtype)
+        q.dtype = compute_dtype or linear.weight.dtype
+        return cls(q, linear.bias, q.dtype)
 
     @property
     def format(self) -> str:
@@ -61,28 +67,35 @@ class NF4Linear(nn.Linear):
         return f"nf4 (blocks of {self.blocksize}{nested}), computed in {str(self.compute_dtype).removeprefix('torch.')}"
 
     def quantized(self) -> NF4Weight:
-        return NF4Weight(self.weight.data, self.absmax, self.quant_map, (self.out_features, self.in_features),
-                         self.compute_dtype, self.blocksize, self.nested_absmax, self.nested_quant_map,
+        return NF4Weight(self.weight.data.reshape(-1), self.absmax, self.quant_map, (self.out_features, self.in_features),
+                         self.weight_dtype, self.blocksize, self.nested_absmax, self.nested_quant_map,
                          self.nested_offset, self.nested_blocksize)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return dequant_nf4(self.weight, self.absmax, self.quant_map, self.nested_absmax, self.nested_quant_map,
-                           self.nested_offset, [self.out_features, self.in_features], self.blocksize,
-                           self.nested_blocksize, self.compute_dtype)
+        """``W`` in ``compute_dtype``, through ``loracc::dequant_nf4`` (a node of the traced graph)."""
+        w = dequant_nf4(self.weight, self.absmax, self.quant_map, self.nested_absmax, self.nested_quant_map,
+                        self.nested_offset, [self.out_features, self.in_features], self.blocksize,
+                        self.nested_blocksize, self.weight_dtype)
+        return w if w.dtype == self.compute_dtype else w.to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(), self.bias)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(), bias)
         return y.to(dtype)
 
     def _apply(self, fn, recurse=True):
-        """Moves between devices apply to the quant state; dtype conversions do not (it stays fp32/uint8)."""
+        """Moves between devices apply to the quant state; dtype conversions do not (it stays fp32/uint8)
+        but set the dtypes the weight is decoded and computed in."""
         kept = {name: self._buffers[name] for name in QUANT_STATE if self._buffers.get(name) is not None}
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
             if after.dtype != before.dtype:
                 self._buffers[name] = before.to(after.device)
+        converted = fn(torch.empty(0, dtype=self.compute_dtype, device=self.weight.device)).dtype
+        if converted != self.compute_dtype and converted.is_floating_point:
+            self.compute_dtype = self.weight_dtype = converted
         return self
 
     def extra_repr(self) -> str:
