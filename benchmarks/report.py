@@ -426,6 +426,7 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
     lines += varlen_section(records)
     lines += sweep_section(records)
     files, why = plots(records, out_dir, stem)
+    files = files or sorted(p.name for p in out_dir.glob(f"{stem}-*.svg"))  # drawn by an earlier report
     lines += [f"![{name}]({name})" for name in files] or [f"_{why}_"]
     return lines + [""]
 

@@ -1,5 +1,6 @@
-"""The benchmark suite: FLOP count, plan and its time estimate, worker processes (turns, timeouts
-with the stage and a stack dump, partial sweeps), failure rows, parity check and report."""
+"""The benchmark tool (``python -m benchmarks``): FLOP count, plan and its time estimate, worker
+processes (turns, timeouts with the stage and a stack dump, partial sweeps), failure rows, the
+varying-length workloads, the record schema and run folders, parity check and report."""
 from __future__ import annotations
 
 import argparse
@@ -11,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+REPO = Path(__file__).resolve().parents[1]
 
-import bench  # noqa: E402
-import bench_runner as runner  # noqa: E402
-import report  # noqa: E402
+from benchmarks import harness, report, runner, step, varlen, workloads  # noqa: E402
+
+BENCH = [sys.executable, "-m", "benchmarks"]
 
 
 def _flops_from_modules(workload: str, seq: int) -> float:
@@ -25,13 +25,13 @@ def _flops_from_modules(workload: str, seq: int) -> float:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    spec = bench.WORKLOADS[workload]
+    spec = workloads.WORKLOADS[workload]
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["family"]]
     config = config_class(**spec["config"])
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    model = get_peft_model(model, LoraConfig(r=bench.LORA_R, lora_alpha=bench.LORA_ALPHA,
-                                             target_modules=bench.LORA_TARGETS))
+    model = get_peft_model(model, LoraConfig(r=workloads.LORA_R, lora_alpha=workloads.LORA_ALPHA,
+                                             target_modules=workloads.LORA_TARGETS))
     frozen = sum(m.weight.numel() for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lora_" not in name)
     lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -41,15 +41,15 @@ def _flops_from_modules(workload: str, seq: int) -> float:
 
 @pytest.mark.parametrize("workload", ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b", "tiny"])
 def test_flops_per_token_counts_the_model_modules(workload):
-    seq = bench.WORKLOADS[workload]["seq"]
-    assert bench.flops_per_token(workload, seq) == pytest.approx(_flops_from_modules(workload, seq), rel=1e-9)
+    seq = workloads.WORKLOADS[workload]["seq"]
+    assert workloads.flops_per_token(workload, seq) == pytest.approx(_flops_from_modules(workload, seq), rel=1e-9)
 
 
 def test_flops_per_token_matches_anchors():
     # ANCHORS.md: 2.16 GFLOP/token for Qwen2-0.5B at 1024; its Llama MFU column implies 5.41 at 2048
     # (22.8% of 759 TFLOP/s at 32.0k tokens/s).
-    assert bench.flops_per_token("qwen2-0.5b", 1024) == pytest.approx(2.16e9, rel=5e-3)
-    assert bench.flops_per_token("llama-3.2-1b", 2048) == pytest.approx(0.228 * 759e12 / 32.0e3, rel=5e-3)
+    assert workloads.flops_per_token("qwen2-0.5b", 1024) == pytest.approx(2.16e9, rel=5e-3)
+    assert workloads.flops_per_token("llama-3.2-1b", 2048) == pytest.approx(0.228 * 759e12 / 32.0e3, rel=5e-3)
 
 
 def test_8b_model_is_built_in_bf16_on_the_target_device_without_an_fp32_copy():
@@ -71,7 +71,7 @@ def test_8b_model_is_built_in_bf16_on_the_target_device_without_an_fp32_copy():
             return out
 
     with Created() as created:
-        model = bench.make_base("llama-3-8b", "meta")
+        model = workloads.make_base("llama-3-8b", "meta")
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == pytest.approx(8.03e9, rel=2e-3)  # Llama-3-8B's count
     assert {p.dtype for p in params} == {torch.bfloat16} and {p.device.type for p in params} == {"meta"}
@@ -80,7 +80,7 @@ def test_8b_model_is_built_in_bf16_on_the_target_device_without_an_fp32_copy():
 
 
 def _plan(*argv):
-    """The jobs bench.py would run for ``argv`` (parsed as main() parses them)."""
+    """The jobs ``step`` would run for ``argv`` (parsed as main() parses them)."""
     parser_args = {}
     original = runner.plan
 
@@ -90,7 +90,7 @@ def _plan(*argv):
 
     runner.plan = capture
     try:
-        assert bench.main([*argv, "--estimate"]) == 0
+        assert step.main([*argv, "--estimate"]) == 0
     finally:
         runner.plan = original
     return parser_args["args"], original(parser_args["args"])
@@ -102,7 +102,7 @@ def test_quick_plan_fits_five_minutes(capsys):
     rows = [(j.workload, j.method) for j in jobs if j.warm_of is None]
     assert rows == [("llama-3.2-1b", m) for m in ["peft-eager", "peft-liger", "loracc", "loracc-budget", "peft-compile"]] \
         + [("qwen2-0.5b", m) for m in ["peft-eager", "loracc"]]
-    assert all(j.steps >= 10 and j.warmup == 2 and j.seqs == [bench.WORKLOADS[j.workload]["seq"]]
+    assert all(j.steps >= 10 and j.warmup == 2 and j.seqs == [workloads.WORKLOADS[j.workload]["seq"]]
                for j in jobs if j.warm_of is None)
     # loracc's warm first step, on the caches its cold process left, on the first workload.
     warm = [j for j in jobs if j.warm_of is not None]
@@ -110,14 +110,14 @@ def test_quick_plan_fits_five_minutes(capsys):
     assert jobs[warm[0].warm_of].method == "loracc" and jobs[warm[0].warm_of].cache == warm[0].cache
     budget = [j for j in jobs if j.method == "loracc-budget"]
     assert all(j.cache == f"{j.workload}-loracc" and "not cold" in j.cache_note for j in budget)
-    assert args.deadline == bench.QUICK_DEADLINE_S < 300
+    assert args.deadline == runner.QUICK_DEADLINE_S < 300
     assert runner.estimate(jobs) < 285
     assert "estimated" in out and "min) on an H100" in out
 
 
 def test_sweep_plan_and_8b_plan(capsys):
     args, jobs = _plan("--sweep")
-    assert [j.method for j in jobs] == bench.SWEEP_METHODS and all(j.suite == "sweep" for j in jobs)
+    assert [j.method for j in jobs] == runner.SWEEP_METHODS and all(j.suite == "sweep" for j in jobs)
     assert all(j.workload == "llama-3.2-1b" and j.batch == 1 and j.seqs == [512, 1024, 2048, 4096, 8192] for j in jobs)
     assert [j.method for j in jobs if j.dynamic] == ["peft-compile"]
     assert {j.method for j in jobs if j.cache == "sweep-loracc"} == {"loracc", "loracc-8gb"}
@@ -127,7 +127,7 @@ def test_sweep_plan_and_8b_plan(capsys):
         ("peft-eager", 1, [2048], False), ("loracc", 1, [2048], False), ("loracc", 1, [2048], True)]
     assert runner.estimate(jobs) < 180
     with pytest.raises(SystemExit):
-        bench.main(["--method", "peft-eager,nope", "--estimate"])
+        step.main(["--method", "peft-eager,nope", "--estimate"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
@@ -146,12 +146,13 @@ def test_workers_run_offline_and_unsloth_gets_its_own_path(monkeypatch, tmp_path
 
 def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "tiny.json"
-    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--tiny", "--method", "peft-eager,loracc", "--method",
+    cmd = [*BENCH, "step", "--tiny", "--method", "peft-eager,loracc", "--method",
            "peft-liger", "--warm", "--out", str(out), "--report-dir", str(tmp_path / "report")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["run"]["matmul_tflops"] > 0 and data["run"]["command"].startswith("python ")
+    assert data["run"]["matmul_tflops"] > 0 and data["run"]["command"].startswith("python -m benchmarks step --tiny")
+    assert {"date", "device", "versions", "git_commit", "python"} <= set(data["run"])
     rows = {r["method"]: r for r in data["records"]}
     assert len(data["records"]) == 3 and set(rows) == {"peft-eager", "loracc", "peft-liger"}
     for method in ("peft-eager", "loracc"):
@@ -175,19 +176,19 @@ def test_tiny_run_end_to_end(tmp_path):
 
 def test_tiny_sweep_end_to_end(tmp_path):
     out = tmp_path / "sweep.json"
-    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--tiny", "--sweep", "--method", "peft-eager,loracc,loracc-8gb",
+    cmd = [*BENCH, "step", "--tiny", "--sweep", "--method", "peft-eager,loracc,loracc-8gb",
            "--out", str(out), "--report-dir", str(tmp_path / "report")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
     assert all(r["suite"] == "sweep" and r["batch"] == 1 for r in records)  # --sweep alone: no main rows
     assert sorted((r["method"], r["seq"]) for r in records) == sorted(
-        (m, s) for m in ["peft-eager", "loracc", "loracc-8gb"] for s in bench.TINY_SWEEP_SEQS)
+        (m, s) for m in ["peft-eager", "loracc", "loracc-8gb"] for s in runner.TINY_SWEEP_SEQS)
     assert all(r["status"] == "ok" and r["tokens_per_step"] == r["seq"] and len(r["losses"]) == 2 for r in records)
     assert {r["notes"].split(",")[0] for r in records if r["method"] == "loracc-8gb"} == {"memory_budget='8GB'"}
     # One process per method trains through every length: at each length loracc's losses are eager's.
     losses = {(r["method"], r["seq"]): r["losses"] for r in records}
-    for seq in bench.TINY_SWEEP_SEQS:
+    for seq in runner.TINY_SWEEP_SEQS:
         assert losses["loracc", seq] == pytest.approx(losses["peft-eager", seq], rel=1e-4)
     assert losses["peft-eager", 16] != pytest.approx(losses["peft-eager", 32], rel=1e-3)
     readme = (tmp_path / "report" / "README.md").read_text()
@@ -309,7 +310,7 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
         _record("loracc", [12.0], seq=512, peak=2 * 2**30, suite="sweep"),
         _record("loracc", seq=1024, status="oom", suite="sweep", error="CUDA out of memory", output_tail="OOM here"),
     ]
-    run = dict(date="2026-01-01T00:00:00+00:00", device="GPU X", command="python benchmarks/bench.py --quick",
+    run = dict(date="2026-01-01T00:00:00+00:00", device="GPU X", command="python -m benchmarks step --quick",
                matmul_tflops=700.0, matmul="bfloat16 8192", versions={"torch": "2.11"}, settings={})
     path = tmp_path / "bench-x.json"
     path.write_text(json.dumps(dict(run=run, records=records)))
@@ -325,7 +326,7 @@ def test_report_shows_failures_and_where_loracc_loses(tmp_path):
     assert "| loracc | 2.00 (1,000) | **oom** |" in readme and "<summary>loracc, seq 1024: oom" in readme
     assert "| peft-eager | 512 (≈896) | ≥ 1024 (all tried) (≈2,304) |" in readme  # longest within 8 GiB, 24 GiB
     assert "| loracc | 512 | 512 |" in readme  # one point: no estimate; the oom ends it
-    assert "GPU X, 2026-01-01" in readme and "python benchmarks/bench.py --quick" in readme
+    assert "GPU X, 2026-01-01" in readme and "python -m benchmarks step --quick" in readme
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench-x-sweep.svg").exists() and "![bench-x-sweep.svg](bench-x-sweep.svg)" in readme
 
@@ -337,29 +338,249 @@ def test_memory_is_printed_in_gib():
     table = "\n".join(report.workload_table([eager, mine]))
     assert "| peak GiB |" in table and "| 33.56 |" in table and "| 12.00 |" in table and " GB" not in table
     assert report.loracc_summary([eager, mine]).endswith("lowest peak 12.00 GiB (loracc) vs 33.56 GiB (peft-eager).")
-    assert "peak 33.56 GiB" in bench._line(eager)
+    assert "peak 33.56 GiB" in step._line(eager)
     sweep = [_record(m, [1.0], peak=p * 2**30, seq=s, suite="sweep") for m, s, p in
              [("a", 512, 7.9), ("a", 1024, 8.1), ("b", 512, 4.0)]]
     assert {m: f[8]["seq"] for m, f in report.longest_fitting(sweep).items()} == {"a": 512, "b": 512}
     lines = report.sweep_section(sweep)
     assert "| method | ≤ 8 GiB | ≤ 24 GiB |" in lines and "| a | 7.90 (1,000) | 8.10 (1,000) |" in lines
-    assert "longest sequence within the measured peak (8 GiB / 24 GiB):" in bench.summary(sweep)
+    assert "longest sequence within the measured peak (8 GiB / 24 GiB):" in step.summary(sweep)
 
 
 def test_report_rejects_foreign_json(tmp_path):
     path = tmp_path / "other.json"
     path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a bench.py result"):
+    with pytest.raises(ValueError, match="not a benchmark record"):
         report.load(path)
 
 
 def test_memory_budget_script_runs_a_budget_on_the_tiny_workload():
-    """benchmarks/memory_budget.py's worker: one budget on the tiny workload, with bench.py's step."""
-    import memory_budget
+    """The memory subcommand's worker: one budget on the tiny workload, with the step subcommand's step."""
+    from benchmarks import memory_budget
 
-    spec = bench.WORKLOADS["tiny"]
+    spec = workloads.WORKLOADS["tiny"]
     record = memory_budget.run_one("tiny", "0.1", spec["batch"], spec["seq"], steps=1, warmup=1)
     assert record["status"] == "ok", record
     assert record["predicted_peak_bytes"] > record["persistent_bytes"] > 0
     assert record["regions"] and all(r["recomputed_gemms"] >= 0 for r in record["regions"])
     assert record["cuda_graphs"] == []  # on a CPU nothing is graphed
+
+
+# ---------------------------------------------------------------------------------------------
+# Varying lengths
+# ---------------------------------------------------------------------------------------------
+
+def test_varlen_lengths_are_log_normal_around_400_and_clipped():
+    import statistics
+
+    spec = workloads.WORKLOADS["qwen2-0.5b-varlen"]["varlen"]
+    lengths = varlen.sequence_lengths(spec, 4000)
+    assert 340 < statistics.median(lengths) < 460 and max(lengths) == 4096 and min(lengths) >= spec["min"]
+    assert lengths[:50] == varlen.sequence_lengths(spec, 50)  # seeded: every method sees the same data
+    assert spec["steps"] >= 60
+
+
+def test_varlen_layouts_hold_the_same_sequences():
+    """Padded, packed, fixed-mean and longest are layouts of the same drawn sequences."""
+    padded, packed = varlen.layout("qwen2-0.5b-varlen"), varlen.layout("qwen2-0.5b-packed")
+    sequences = sorted(n for step_rows in padded for row in step_rows for n in row)
+    assert sorted(n for step_rows in packed for row in step_rows for n in row) == sequences
+    assert all(sum(row) <= 4096 for step_rows in packed for row in step_rows) and len(packed) >= 60
+    [mean_width] = set(varlen.shapes("qwen2-0.5b-fixed-mean"))
+    assert mean_width[0] * mean_width[1] == pytest.approx(sum(sequences) / len(padded), abs=mean_width[0])
+    assert set(varlen.shapes("qwen2-0.5b-longest")) == {(8, max(sequences))}
+    assert len(set(varlen.shapes("qwen2-0.5b-varlen"))) > 30  # nearly every padded step has a new shape
+
+
+def test_varlen_batches_mask_padding_and_restart_packed_positions():
+    import torch
+
+    for batch, rows in zip(varlen.batches("tiny-packed"), varlen.layout("tiny-packed")):
+        ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
+        assert "attention_mask" not in batch and batch["real_tokens"] == sum(map(sum, rows))
+        for r, row in enumerate(rows):
+            at = 0
+            for n in row:
+                assert positions[r, at:at + n].tolist() == list(range(n))
+                assert labels[r, at] == -100 and torch.equal(labels[r, at + 1:at + n], ids[r, at + 1:at + n])
+                at += n
+            assert (labels[r, at:] == -100).all() and (ids[r, at:] == 0).all()
+    for batch, rows in zip(varlen.batches("tiny-varlen"), varlen.layout("tiny-varlen")):
+        mask, labels = batch["attention_mask"], batch["labels"]
+        assert mask.shape[1] == max(n for [n] in rows) and "position_ids" not in batch
+        assert mask.sum(1).tolist() == [n for [n] in rows] and ((labels == -100) == (mask == 0)).all()
+
+
+def test_max_len_clips_every_layout(monkeypatch):
+    import copy
+
+    monkeypatch.setattr(workloads, "WORKLOADS", copy.deepcopy(workloads.WORKLOADS))
+    monkeypatch.setattr(varlen, "WORKLOADS", workloads.WORKLOADS)
+    workloads.set_max_len(512)
+    assert max(w for _, w in varlen.shapes("qwen2-0.5b-varlen")) <= 512
+    assert set(varlen.shapes("qwen2-0.5b-packed")) == {(1, 512)}
+    assert set(varlen.shapes("qwen2-0.5b-longest")) == {(8, 512)}
+    with pytest.raises(ValueError, match="--max-len"):
+        workloads.set_max_len(1)
+
+
+def test_varlen_plan_and_targets(capsys):
+    _, jobs = _plan("--varlen")
+    assert [(j.workload, j.method) for j in jobs] == [
+        (w, m) for w in runner.VARLEN_WORKLOADS for m in runner.VARLEN_METHODS] + [
+        (w, "loracc") for w in runner.VARLEN_REFERENCE_WORKLOADS]
+    assert {"peft-eager", "peft-compile", "peft-compile-dynamic", "peft-liger", "unsloth", "loracc"} <= set(runner.VARLEN_METHODS)
+    _, jobs = _plan("--varlen", "--method", "peft-compile")  # loracc's references only where loracc runs
+    assert [j.workload for j in jobs] == runner.VARLEN_WORKLOADS
+
+    def row(method, workload, **fields):
+        return dict(method=method, workload=workload, status="ok", wall_s_run=1.0, **fields)
+    records = [row("peft-eager", "tiny-varlen", tokens_per_s=100.0, peak_memory_bytes=10),
+               row("loracc", "tiny-varlen", tokens_per_s=200.0, second_half_tokens_per_s=300.0, peak_memory_bytes=11,
+                   new_shape_host_ms_median=5.0, new_shape_host_ms_max=60.0),
+               row("loracc", "tiny-fixed-mean", tokens_per_s=250.0, second_half_tokens_per_s=310.0),
+               row("loracc", "tiny-packed", tokens_per_s=220.0),
+               {**row("loracc", "tiny-longest"), "status": "oom"}]
+    lines = varlen.targets(records)
+    assert lines[0].startswith("padded, loracc / eager PEFT real tokens/s over the whole run: 2.00x (met")
+    assert "0.80x (NOT met, target >= 0.85)" in lines[1] and "0.97x (met" in lines[2]
+    assert "not measured" in lines[3]  # the longest step's row failed
+    assert "1.10x (NOT met, target >= 1.3)" in lines[4]
+    assert "median 5.0, max 60.0 (NOT met, target < 50)" in lines[5]
+
+
+def test_tiny_varlen_end_to_end(tmp_path):
+    """The padded and packed tiny workloads through worker processes: every step trained once,
+    real tokens counted, per-step host times, losses equal to eager PEFT's on the same data."""
+    out = tmp_path / "run" / "varlen.json"
+    cmd = [*BENCH, "step", "--tiny", "--varlen", "--workload", "tiny-varlen,tiny-packed", "--method",
+           "peft-eager,loracc", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = harness.load(out)
+    rows = {(r["method"], r["workload"]): r for r in data["records"]}
+    assert set(rows) == {(m, w) for m in ("peft-eager", "loracc") for w in ("tiny-varlen", "tiny-packed")}
+    for (method, workload), r in rows.items():
+        plan = varlen.batches(workload)
+        assert r["status"] == "ok" and r["suite"] == "varlen", r
+        assert r["steps"] == len(plan) == len(r["losses"]) == len(r["step_ms_all"]) == len(r["host_ms_all"])
+        assert r["real_tokens"] == sum(b["real_tokens"] for b in plan) < r["tensor_tokens"]
+        assert r["tokens_per_s"] == pytest.approx(r["real_tokens"] / r["wall_s_run"])
+        assert r["wall_s_run"] >= sum(r["step_ms_all"]) / 1e3 * 0.99 and r["first_step_s"] > 0
+        assert all(h <= s for h, s in zip(r["host_ms_all"], r["step_ms_all"]))
+    assert rows["loracc", "tiny-varlen"]["distinct_shapes"] > varlen.SETTLED  # some new shapes after settling
+    assert rows["loracc", "tiny-varlen"]["new_shape_host_ms_max"] is not None
+    for workload in ("tiny-varlen", "tiny-packed"):
+        assert rows["loracc", workload]["losses"] == pytest.approx(rows["peft-eager", workload]["losses"], rel=1e-4)
+    assert "varying-length targets:" in proc.stdout
+    readme = report.write_report([out], out.parent).read_text()
+    assert "#### tiny-varlen (padded;" in readme and "#### tiny-packed (packed;" in readme and "Targets:" in readme
+
+
+# ---------------------------------------------------------------------------------------------
+# Records and run folders
+# ---------------------------------------------------------------------------------------------
+
+def test_record_schema_and_run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "0123456789abcdef")
+    run = harness.provenance(False, settings={"x": 1})
+    assert run["git_commit"] == "0123456789abcdef" and run["git_dirty"] is None and run["settings"] == {"x": 1}
+    assert set(run["versions"]) >= {"torch", "transformers", "peft", "triton"} and run["device"].startswith("CPU")
+    path = harness.write(tmp_path / "a" / "r.json", run, [{"method": "m"}], check={"ok": True})
+    assert harness.load(path) == {"run": json.loads(json.dumps(run)), "records": [{"method": "m"}], "check": {"ok": True}}
+    folder = harness.run_dir(False)
+    assert folder.parent == harness.RESULTS and folder.name.endswith("-cpu-0123456") and folder.name[:4].isdigit()
+    assert harness.device_slug("NVIDIA H100 80GB HBM3") == "h100" and harness.device_slug("NVIDIA H200") == "h200"
+    assert harness.default_out("memory", False) == folder / "memory.json"
+
+
+def test_report_of_a_run_folder_tables_any_subcommand(tmp_path):
+    run = dict(date="2026-01-02T00:00:00+00:00", device="GPU X", command="python -m benchmarks optimizer", versions={})
+    harness.write(tmp_path / "optimizer.json", run, [dict(method="loracc FusedAdamW", status="ok", median_ms=0.5)],
+                  check={"ok": True})
+    (tmp_path / "notes.json").write_text("[1]")  # not a record: left out
+    assert report.main([str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "## optimizer: 2026-01-02" in readme and "| loracc FusedAdamW | ok | 0.5 |" in readme
+    assert "`optimizer.json`" in readme and "notes.json" not in readme
+
+
+def test_every_subcommand_has_a_main_and_no_module_imports_in_a_circle():
+    import ast
+    import importlib
+
+    from benchmarks.__main__ import SUBCOMMANDS
+
+    for name, (module, _) in SUBCOMMANDS.items():
+        assert callable(importlib.import_module(f"benchmarks.{module}").main), name
+    graph = {}
+    for path in (REPO / "benchmarks").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                deps.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+        graph[path.stem] = deps
+
+    def reaches(start, target, seen=()):
+        return any(d == target or (d not in seen and reaches(d, target, (*seen, d))) for d in graph.get(start, ()))
+    assert not [m for m in graph if reaches(m, m)]
+    assert "sys.path.insert" not in "".join(p.read_text() for p in (REPO / "benchmarks").glob("*.py"))
+
+
+def _step_run(folder: Path, date: str, device: str, records: list[dict], name: str = "step.json") -> None:
+    run = dict(date=date, device=device, command="python -m benchmarks step", git_commit="abcdef0123",
+               versions={"torch": "2.11.0", "liger-kernel": None})
+    harness.write(folder / name, run, records)
+
+
+def test_results_index_lists_runs_latest_first(tmp_path):
+    from benchmarks import results_index
+
+    _step_run(tmp_path / "2026-01-01-h100-aaaaaaa", "2026-01-01T10:00:00+00:00", "GPU X", [_record("loracc", [1.0])])
+    _step_run(tmp_path / "2026-01-02-cpu-bbbbbbb", "2026-01-02T10:00:00+00:00", "CPU (x, 2 cores)", [_record("loracc", [1.0])])
+    (tmp_path / "2026-01-01-h100-aaaaaaa" / "README.md").write_text("report")
+    (tmp_path / "old_h100.json").write_text("{}")
+    assert results_index.main(["--results", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| [")]
+    assert rows[0].startswith("| [2026-01-02-cpu-bbbbbbb](2026-01-02-cpu-bbbbbbb/) | 2026-01-02T10:00:00")
+    assert "([report](2026-01-01-h100-aaaaaaa/README.md))" in rows[1] and "`python -m benchmarks step`" in rows[1]
+    assert "[step.json](2026-01-01-h100-aaaaaaa/step.json)" in rows[1] and "- [old_h100.json](old_h100.json)" in text
+
+
+def test_readme_table_fills_only_between_the_markers(tmp_path):
+    from benchmarks import readme_table
+
+    results = tmp_path / "results"
+    _step_run(results / "2026-01-01-h100-aaaaaaa", "2026-01-01T10:00:00+00:00", "GPU X",
+              [_record("peft-eager", [1.0], tokens=1000), _record("loracc", [1.0], tokens=2500, peak=3 * 2**30),
+               _record("peft-liger", status="oom", error="out of memory")])
+    _step_run(results / "2026-01-03-h100-ccccccc", "2026-01-03T10:00:00+00:00", "GPU X",
+              [dict(method="loracc", workload="qwen2-0.5b-varlen", suite="varlen", status="ok", tokens_per_s=900.0,
+                    wall_s_run=12.0, peak_memory_bytes=2**30)])
+    # A later CPU run (a smoke test) is not the README's latest result.
+    _step_run(results / "2026-01-05-cpu-ddddddd", "2026-01-05T10:00:00+00:00", "CPU (x, 2 cores)",
+              [_record("loracc", [1.0], tokens=5.0)])
+    table = readme_table.table_text(results)
+    assert "Fixed shapes: GPU X, 2026-01-01, commit abcdef0; torch 2.11.0." in table
+    assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 |" in table
+    assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table
+    assert "Varying lengths: GPU X, 2026-01-03" in table and "| qwen2-0.5b-varlen | loracc | 900 | — | 12.0 | 1.00 |" in table
+    readme = "# x\n\nbefore\n<!-- results-table -->\nold table\n<!-- /results-table -->\nafter\n"
+    out = readme_table.replace_between_markers(readme, table)
+    assert out.startswith("# x\n\nbefore\n<!-- results-table -->\n<!-- generated") and out.endswith(
+        "<!-- /results-table -->\nafter\n") and "old table" not in out
+    with pytest.raises(LookupError, match="no '<!-- results-table -->'"):
+        readme_table.replace_between_markers("# no markers\n", table)
+    path = tmp_path / "README.md"
+    path.write_text(readme)
+    cpu_only = tmp_path / "cpu"
+    _step_run(cpu_only / "2026-01-05-cpu-ddddddd", "2026-01-05T10:00:00+00:00", "CPU", [_record("loracc", [1.0])])
+    with pytest.raises(LookupError, match="no step records measured on a GPU"):
+        readme_table.table_text(cpu_only)
+    assert readme_table.main(["--readme", str(path), "--run", str(cpu_only / "2026-01-05-cpu-ddddddd")]) == 0
+    assert "| qwen2-0.5b 8×1024 | loracc |" in path.read_text() and path.read_text().endswith("after\n")
