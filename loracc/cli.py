@@ -14,6 +14,7 @@ The model is one of:
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import presets
+from . import presets, verify
 from .errors import LoraccError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +148,8 @@ def cmd_dump(args) -> None:
 
 
 def cmd_check(args) -> int:
-    """One training step in verification mode; a table per region. Exit status 1 on a mismatch."""
+    """One training step in verification mode, a row per region, and the whole step against an eager
+    copy of the model (from one random state); exit status 1 on a mismatch."""
     import loracc
 
     model, example = load_model(args.model, r=args.r, targets=args.targets, batch=args.batch, seq=args.seq,
@@ -155,11 +157,18 @@ def cmd_check(args) -> int:
     if _randomize_zero_lora_b(model):
         print("LoRA B weights that were all zero (PEFT's initialization) got small random values, so that "
               "every gradient is checked")
+    reference = copy.deepcopy(model)
     model = loracc.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget), verify=True)
-    out = _call(model, example)
-    loss = out if isinstance(out, torch.Tensor) else out.loss
-    loss.backward()
+    losses, grads = [], []
+    for m in (model, reference):  # from one random state: dropout draws the same masks
+        torch.manual_seed(0)
+        out = _call(m, example)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
     rows = [_check_row(region) for region in model._loracc.regions]
+    rows.append(_step_row(losses, grads, verify.tolerance([*reference.parameters(), *_tensors(example)])))
     header = ("region", "programs", "outputs", "gradients", "tolerance", "result")
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
@@ -185,6 +194,28 @@ def _check_row(region) -> tuple:
     else:
         result = "UNCALLED"
     return (region.name, len(checks), *errors, tolerance, result)
+
+
+def _step_row(losses, grads, tol) -> tuple:
+    """The whole step (glue, every layer in sequence, the head) against an eager copy of the model:
+    what a region's own check cannot see (what the regions pass each other, the eager glue)."""
+    (got_loss, want_loss), (got, want) = losses, grads
+    loss_error = verify.relative_error(got_loss, want_loss)
+    errors = []
+    for name, w in want.items():
+        g = got[name]
+        if g is not None or w is not None:  # a gradient missing on one side counts as zeros
+            errors.append(verify.relative_error(torch.zeros_like(w) if g is None else g,
+                                                torch.zeros_like(g) if w is None else w))
+    grad_error = max(errors, default=0.0)
+    result = "PASS" if max(loss_error, grad_error) <= tol else "MISMATCH"
+    return ("whole step vs an eager copy (loss, every trainable parameter)", "-", f"{loss_error:.1e}",
+            f"{grad_error:.1e}", f"{tol:.0e}", result)
+
+
+def _tensors(example) -> list:
+    values = example.values() if isinstance(example, dict) else example if isinstance(example, (tuple, list)) else []
+    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def _randomize_zero_lora_b(model) -> bool:

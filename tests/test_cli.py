@@ -92,6 +92,8 @@ def test_check_preset_prints_a_passing_row_per_region(private_cache, capsys):
     pytest.importorskip("peft")
     assert main(["check", "llama", "--seq", "9"]) == 0
     rows = _table(capsys.readouterr().out)
+    step = rows.pop("whole step vs an eager copy (loss, every trainable parameter)")
+    assert step[-1] == "PASS" and float(step[1]) <= 1e-5 and 0 < float(step[2]) <= 1e-5
     assert len(rows) == 2 and any(name.startswith("head") for name in rows)
     for name, (programs, outputs, gradients, tolerance, result) in rows.items():
         assert result == "PASS" and int(programs) >= 1 and tolerance == "1e-04", name
@@ -107,8 +109,10 @@ def test_check_reports_a_mismatch_and_exits_with_1(private_cache, capsys, monkey
     with pytest.warns(UserWarning, match="differs from eager"):
         assert main(["check", "plain"]) == 1
     text = capsys.readouterr().out
-    ((programs, outputs, gradients, tolerance, result),) = _table(text).values()
+    rows = _table(text)
+    programs, outputs, gradients, tolerance, result = next(row for name, row in rows.items() if name.startswith("blocks"))
     assert result == "MISMATCH" and programs == "1" and float(gradients) == pytest.approx(2.0, rel=1e-3)
+    assert rows["whole step vs an eager copy (loss, every trainable parameter)"][-1] == "PASS"  # ran eagerly
     assert "verify:" in text and "runs eagerly from now on" in text
 
 
@@ -127,4 +131,30 @@ def test_check_a_model_alone_from_module_function(private_cache, tmp_path, capsy
     text = capsys.readouterr().out
     assert "got small random values" in text
     rows = _table(text)
-    assert len(rows) == 2 and all(row[-1] == "PASS" and float(row[2]) > 0 for row in rows.values())
+    assert len(rows) == 3 and all(row[-1] == "PASS" and float(row[2]) > 0 for row in rows.values())
+
+
+def test_check_whole_step_sees_what_a_first_call_does_not(private_cache, capsys, monkeypatch):
+    """A planted bug that spares each program's first call (as one that needs several layers in
+    sequence would): every region passes, the whole step against the eager copy does not."""
+    from loracc import runtime
+
+    verified = set()  # the programs past their verification
+    real_verify, real_backward = runtime.verification.verify_call, runtime._RegionFunction.backward
+
+    def verify_call(program, *args, **kwargs):
+        result = real_verify(program, *args, **kwargs)
+        verified.add(id(program))
+        return result
+
+    def backward(ctx, *grad_outputs):
+        grads = real_backward(ctx, *grad_outputs)
+        return tuple(-g if g is not None and id(ctx.program) in verified else g for g in grads)
+
+    monkeypatch.setattr(runtime.verification, "verify_call", verify_call)
+    monkeypatch.setattr(runtime._RegionFunction, "backward", staticmethod(backward))
+    assert main(["check", "plain"]) == 1
+    rows = _table(capsys.readouterr().out)
+    step = rows.pop("whole step vs an eager copy (loss, every trainable parameter)")
+    assert [row[-1] for row in rows.values()] == ["PASS"] and step[-1] == "MISMATCH"
+    assert float(step[1]) <= 1e-5 and float(step[2]) > 1.0
