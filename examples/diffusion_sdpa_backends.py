@@ -45,6 +45,11 @@ LAYOUTS = ("bhsd", "bshd", "block")
 HEADS, HEAD_DIM, WIDTH = 24, 128, 3072  # FLUX.1-dev
 
 
+def rope_axes(head_dim: int) -> list[int]:
+    """RoPE's split of a head over (text index, row, column): FLUX.1-dev's (16, 56, 56) for 128."""
+    return [head_dim // 8, head_dim * 7 // 16, head_dim * 7 // 16]
+
+
 def tokens(text: str) -> tuple[int, int]:
     image, _, text_tokens = text.partition("+")
     return int(image), int(text_tokens or 0)
@@ -97,7 +102,7 @@ def block_case(backend: str, image: int, text: int, batch: int, device: str) -> 
         image_ids = torch.zeros(side, image // side, 3)
         image_ids[..., 1] = torch.arange(side)[:, None]
         image_ids[..., 2] = torch.arange(image // side)[None, :]
-        rope = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(torch.cat([torch.zeros(text, 3), image_ids.view(-1, 3)]))
+        rope = FluxPosEmbed(theta=10000, axes_dim=rope_axes(HEAD_DIM))(torch.cat([torch.zeros(text, 3), image_ids.view(-1, 3)]))
         hidden = torch.randn(batch, image, WIDTH, dtype=torch.bfloat16, requires_grad=True)
         context = torch.randn(batch, text, WIDTH, dtype=torch.bfloat16, requires_grad=True)
         temb = torch.randn(batch, WIDTH, dtype=torch.bfloat16)

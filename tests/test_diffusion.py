@@ -322,3 +322,38 @@ def test_example_reads_a_local_diffusers_pipeline_directory(example, capsys, tmp
     assert "SD3Transformer2DModel" in capsys.readouterr().out
     weight = model.transformer_blocks[1].attn.to_q.base_layer.weight
     assert torch.equal(weight, source.transformer_blocks[1].attn.to_q.weight)
+
+
+def test_channels_last_unet_matches_eager():
+    """A UNet in channels_last (what convolutions want on a GPU) compiles with eager's numbers."""
+    torch.manual_seed(0)
+    compiled = with_lora(tiny_unet(), UNET_TARGETS).to(memory_format=torch.channels_last)
+    eager = copy.deepcopy(compiled)
+    loracc.compile(compiled)
+    kwargs, target = unet_batch(torch.Generator().manual_seed(0))
+    kwargs["sample"] = kwargs["sample"].contiguous(memory_format=torch.channels_last)
+    losses = []
+    for model in (compiled, eager):
+        loss = F.mse_loss(model(**copy.deepcopy(kwargs)).sample, target)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    for name, p in lora_params(eager).items():
+        assert rel_err(compiled.get_parameter(name).grad, p.grad) <= 1e-4, name
+    assert not loracc.explain(compiled).fallbacks
+
+
+def test_sdpa_backend_script_runs_one_case(capsys, monkeypatch):
+    """The GPU script's plumbing, on the CPU at toy width: one attention case in diffusers' layout, one block."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        script = importlib.import_module("diffusion_sdpa_backends")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    monkeypatch.setattr(script, "HEADS", 2)
+    monkeypatch.setattr(script, "HEAD_DIM", 32)
+    monkeypatch.setattr(script, "WIDTH", 64)
+    script.main(["--device", "cpu", "--case", "math,bshd,30+7,2"])
+    assert re.search(r"^result: ok vs fp32 math: rel\. error out", capsys.readouterr().out, re.M)
+    script.main(["--device", "cpu", "--case", "default,block,16+3,1"])
+    assert "result: ok input gradient norm" in capsys.readouterr().out
