@@ -74,7 +74,8 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
     parser.add_argument("--steps", type=int, help="optimizer steps (default 20)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compilation)")
-    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--lr", type=float, help="learning rate (default 2e-4; 3e-3 with --tiny)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", help="rank 0 saves the adapter here, in PEFT's format")
@@ -83,10 +84,15 @@ def parse_args(argv=None):
         args.preset = "tiny"
         args.dtype = args.dtype or "float32"
         args.batch_size, args.seq_len, args.steps = args.batch_size or 4, args.seq_len or 64, args.steps or 4
+        args.lr = args.lr or 3e-3
+    args.lr = args.lr or 2e-4
     args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     args.batch_size, args.seq_len, args.steps = args.batch_size or 4, args.seq_len or 2048, args.steps or 20
     if args.fsdp and args.engine != "trainer":
         parser.error("--fsdp goes with --engine trainer; for a plain loop use --engine fsdp2")
+    if args.fsdp and args.cpu:  # accelerate would run DDP instead, saying nothing
+        parser.error("--fsdp: accelerate (under Trainer) shards with FSDP on GPUs only; on the CPU use "
+                     "--engine fsdp2 (a plain loop) or leave --fsdp out (Trainer with DDP)")
     if args.warmup >= args.steps:
         args.warmup = 0
     return args
@@ -189,13 +195,15 @@ def train(args, device):
         loss.backward()
         if args.engine == "flat":
             all_reduce_gradients(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in inner.parameters() if p.requires_grad], args.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reported = loss.detach().float() / world
         dist.all_reduce(reported)
         tokens += ids.numel()
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}: loss {reported.item():.4f}", flush=True)
+            print(f"step {step + 1}/{args.steps}: loss {reported.item():.6f}, grad norm {norm.item():.6f}", flush=True)
     _sync(device)
     seconds = time.perf_counter() - start
     if rank == 0:
@@ -251,6 +259,11 @@ def trainer(args, device) -> None:
     run = transformers.Trainer(model=model, args=settings, train_dataset=Rows(sequences(args.seq_len)))
     result = run.train()
     if run.is_world_process_zero():
+        logged = [entry for entry in run.state.log_history if "loss" in entry]
+        for step, entry in enumerate(logged):
+            print(f"step {step + 1}/{args.steps}: loss {entry['loss']:.6f}, grad norm {entry['grad_norm']:.6f}", flush=True)
+        sharded = type(next(p for p in run.model_wrapped.parameters() if p.requires_grad)).__name__ == "DTensor"
+        print(f"trainer: {type(run.model_wrapped).__name__}, {'sharded (FSDP2)' if sharded else 'replicated'} parameters")
         print(f"trainer: {result.global_step} steps, train loss {result.training_loss:.4f}, "
               f"{result.metrics['train_samples_per_second'] * args.seq_len:,.0f} tokens/s in all")
     if args.output_dir:
@@ -261,6 +274,7 @@ def training_arguments(args, extra: dict) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
         output_dir=args.output_dir or "finetune_distributed_out", per_device_train_batch_size=args.batch_size,
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, save_strategy="no", seed=args.seed,
+        max_grad_norm=args.max_grad_norm, lr_scheduler_type="constant", weight_decay=0.01,  # as torch.optim.AdamW
         use_cpu=args.cpu, bf16=args.dtype == "bfloat16", report_to=[], disable_tqdm=True,
         ddp_backend="gloo" if args.cpu else None, ddp_find_unused_parameters=False,
         # loracc's patched forward hides the model's signature, so Trainer would drop input_ids as an unused column.

@@ -521,3 +521,45 @@ def test_helpers_in_a_single_rank_group(tmp_path):
             all_reduce_gradients(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))]))
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# The example script under torchrun
+
+
+def torchrun(nproc: int, output_dir: Path, *args: str) -> tuple[list, dict]:
+    """Run examples/finetune_distributed.py (tiny preset, CPU, gloo) in ``nproc`` processes; the
+    ``(loss, grad norm)`` of each step that rank 0 printed, and the adapter it saved."""
+    import re
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={_free_port()}", str(ROOT / "examples" / "finetune_distributed.py"),
+               "--tiny", "--cpu", "--output-dir", str(output_dir), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    steps = [(float(a), float(b)) for a, b in re.findall(r"^step \d+/\d+: loss ([\d.]+), grad norm ([\d.]+)$", done.stdout, re.M)]
+    assert len(steps) == 4, done.stdout
+    return steps, load_file(output_dir / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The example's plain loop in one process on the global batch (8 rows)."""
+    return torchrun(1, tmp_path_factory.mktemp("one") / "adapter", "--engine", "ddp", "--batch-size", "8")
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "trainer"])
+def test_example_two_processes_equal_one(engine, one_process, tmp_path):
+    """``torchrun --nproc_per_node=2 examples/finetune_distributed.py --tiny --cpu``, 4 rows per rank:
+    the plain loop under DDP or FSDP2, and Hugging Face Trainer (DDP over gloo, use_cpu), print the
+    losses and gradient norms of one process on the global batch, and rank 0 saves the same adapter."""
+    steps, adapter = torchrun(2, tmp_path / "adapter", "--engine", engine, "--batch-size", "4")
+    reference_steps, reference_adapter = one_process
+    for step, (got, ref) in enumerate(zip(steps, reference_steps)):
+        assert abs(got[0] - ref[0]) <= TOL * ref[0] and abs(got[1] - ref[1]) <= 1e-5 + TOL * ref[1], (step, steps, reference_steps)
+    assert adapter.keys() == reference_adapter.keys() and all("lora_" in k for k in adapter)
+    assert worst(adapter, reference_adapter) <= 1e-4
