@@ -241,7 +241,7 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
             "unused_grad": unused_grad, "fallbacks": "fallbacks to eager: none" not in str(report)}
 
 
-def varying(rank, world, out, *, normalise=True):
+def varying(rank, world, out, *, normalise=True, engine="ddp"):
     """Ranks with other token counts (rank 0: labels partly -100) and other lengths (rank 1: 7 of
     11 positions), normalised by the global count. The single-process reference is one call on the
     global batch, rank 1's rows right-padded with -100 labels (causal attention: padding after a
@@ -255,7 +255,15 @@ def varying(rank, world, out, *, normalise=True):
     ref_losses, ref_grads, ref_params = reference_run(batches)
 
     model = fresh()
-    net = DDP(loracc.compile(model))
+    if engine == "ddp":
+        net = DDP(loracc.compile(model))
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        loracc.compile(model)
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
+        net = fully_shard(model)
     opt = torch.optim.AdamW(list(trainable(model).values()), lr=LR)
     losses, grad_error = [], None
     for step in range(STEPS):
@@ -372,6 +380,7 @@ SCENARIOS = {
     "unused": lambda r, w, o: ddp(r, w, o, find_unused_parameters=True),
     "varying": varying,
     "varying_naive": lambda r, w, o: varying(r, w, o, normalise=False),
+    "varying_fsdp": lambda r, w, o: varying(r, w, o, engine="fsdp2"),
     "fsdp_before": fsdp,
     "fsdp_after_keep": lambda r, w, o: fsdp(r, w, o, order="after", reshard_after_forward=False),
     "fsdp_mixed": lambda r, w, o: fsdp(r, w, o, mixed=True),
@@ -384,7 +393,7 @@ SCENARIOS = {
 # Tests
 
 WORLD2 = list(SCENARIOS)
-WORLD4 = ["ddp_of_compiled", "varying", "fsdp_after_keep"]
+WORLD4 = ["ddp_of_compiled", "varying_fsdp", "fsdp_before"]
 
 
 @pytest.fixture(scope="module")
@@ -432,10 +441,11 @@ def test_ddp_find_unused_parameters(world2):
 
 def test_loss_normalised_by_global_token_count(world2):
     """Ranks with different label-token counts and sequence lengths: normalised by
-    global_num_items (× world size), DDP equals the single process; a per-rank mean does not."""
-    found = results(world2, "varying")
-    _parity(found)
-    assert found[0]["shapes"] != found[1]["shapes"]  # each rank compiled its own shapes, no deadlock
+    global_num_items (× world size), DDP and FSDP2 equal the single process; a per-rank mean does not."""
+    for name in ("varying", "varying_fsdp"):
+        found = results(world2, name)
+        _parity(found)
+        assert found[0]["shapes"] != found[1]["shapes"]  # each rank compiled its own shapes, no deadlock
     naive = results(world2, "varying_naive")
     assert min(r["grad"] for r in naive) > 1e-3
 
