@@ -121,7 +121,10 @@ def verify_call(program, eager_forward: Callable, names: list[str], state: list[
                 run_compiled: Callable[[list[torch.Tensor]], tuple]) -> Verification:
     """Run the call ``signature`` through ``run_compiled`` (the program's autograd Function) and
     through ``eager_forward`` and compare (see the module's docstring). ``names``: the state's."""
-    calls = [t.detach().requires_grad_(t.requires_grad) for t in signature.tensors]
+    # Leaves of their own (the gradients of the call's tensors are taken with respect to them); each
+    # run gets clones, so that a forward that writes into its arguments changes neither the other
+    # run's nor the real call's.
+    calls = [_copy(t.detach()).requires_grad_(t.requires_grad) for t in signature.tensors]
     inputs = list(state) + calls
     labels = list(names) + [f"argument tensor {i}" for i in range(len(calls))]
     targets = [i for i, t in enumerate(inputs) if t.requires_grad]
@@ -130,10 +133,10 @@ def verify_call(program, eager_forward: Callable, names: list[str], state: list[
     devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):  # the real call draws from the state before this
         rng = _rng_state(devices)
-        flat = run_compiled(inputs)
+        flat = run_compiled(list(state) + [_copy(t) for t in calls])
         got = _leaves(program.captured.rebuild_output(flat))
         _set_rng_state(devices, rng)
-        args, kwargs = signature.rebuild(calls)
+        args, kwargs = signature.rebuild([_copy(t) for t in calls])
         want = _leaves(eager_forward(*args, **kwargs))
         problem = _structure_problem(got, want)
         if problem is not None:
@@ -158,6 +161,11 @@ def verify_call(program, eager_forward: Callable, names: list[str], state: list[
             except Exception as exc:  # noqa: BLE001 - a hint only: the mismatch is reported regardless
                 result.where = f"the stage that differs could not be found ({type(exc).__name__}: {exc})"
     return result
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (a call's key includes its tensors' layout), differentiable."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _leaves(output) -> list:

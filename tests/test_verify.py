@@ -86,9 +86,8 @@ def test_a_symbolic_program_is_verified_at_its_first_call():
         sized = {"x": batch["x"][:, :rows], "target": batch["target"][:, :rows]}
         _assert_same(_step(model, sized), _step(reference_model, sized), tol=1e-4)
     (region,) = model._loracc.regions
-    programs = {id(p): p for p in region.programs.values() if p is not None}
-    assert len(region.verifications) == len(programs)  # each program once, at its first call
-    assert any(p.dynamic for p in programs.values()) and any(v.dynamic for v in region.verifications)
+    assert len(region.verifications) == region.captures  # each program once, at its first call
+    assert region.dynamic_programs and any(v.dynamic for v in region.verifications)
     assert all(v.passed for v in region.verifications)
 
 
