@@ -3,6 +3,9 @@
 - ``load_base_weights(model, path)`` copies a local safetensors checkpoint (one file, or shards with
   ``model.safetensors.index.json``) into a model tensor by tensor, converting each to the dtype the
   model already has: the only extra memory is one tensor of the file, never a full fp32 copy.
+  Weights stored quantized in bitsandbytes' NF4 layout (``weight``, ``weight.absmax``,
+  ``weight.quant_map``, ``weight.nested_absmax``, ``weight.nested_quant_map``,
+  ``weight.quant_state.bitsandbytes__nf4``) replace their linear layer by a ``loracc.quant.NF4Linear``.
 - ``save_adapter(model, directory)`` writes PEFT's format (``adapter_config.json`` +
   ``adapter_model.safetensors``) through a temporary directory swapped in at the end, so an
   interrupted save leaves the previous adapter whole.
@@ -73,10 +76,16 @@ def load_base_weights(model: nn.Module, path, *, strict: bool = True) -> LoadRep
         )
     with _open_all(files) as handles:
         file_keys = {key: handle for handle in handles for key in handle.keys()}
-        rename = _key_mapping(list(file_keys), targets, getattr(root, "base_model_prefix", ""))
-        report = LoadReport(unexpected=[k for k in file_keys if rename(k) not in targets])
-        plan = [(key, handle, rename(key)) for key, handle in file_keys.items() if rename(key) in targets]
+        quantized = _quantized_weights(file_keys)
+        parts = {part for key in quantized for part in _quant_parts(key, file_keys)}
+        plain_keys = [k for k in file_keys if k not in parts and k not in quantized]
+        rename = _key_mapping(plain_keys + list(quantized), targets, getattr(root, "base_model_prefix", ""))
+        report = LoadReport(unexpected=[k for k in plain_keys + list(quantized) if rename(k) not in targets])
+        plan = [(key, file_keys[key], rename(key)) for key in plain_keys if rename(key) in targets]
+        # Quantized weights: read and checked against their quant state and their layer before anything changes.
+        swaps = [_quantized_layer(root, key, rename(key), file_keys) for key in quantized if rename(key) in targets]
         covered = {id(t) for _, _, name in plan for t in targets[name]}
+        covered |= {id(t) for name in (rename(k) for k in quantized) if name in targets for t in targets[name]}
         report.missing = [n for n, ts in targets.items() if not all(id(t) in covered for t in ts)]
         if strict and (report.missing or report.unexpected):
             raise LoraccError(
@@ -92,6 +101,9 @@ def load_base_weights(model: nn.Module, path, *, strict: bool = True) -> LoadRep
                     f"load_base_weights: {key} in {handle.path} has shape {shape} but the model's {name} has "
                     f"{list(targets[name][0].shape)}: the checkpoint is for another model or config"
                 )
+        for parent, attr, layer in swaps:
+            setattr(parent, attr, layer)
+            report.loaded += 1
         for key, handle, name in plan:
             tensor = _read(handle, key)
             with torch.no_grad():
@@ -99,6 +111,55 @@ def load_base_weights(model: nn.Module, path, *, strict: bool = True) -> LoadRep
                     target.copy_(tensor)
             report.loaded += 1
     return report
+
+
+def _quantized_weights(file_keys) -> list[str]:
+    """The checkpoint's weights stored quantized: the names ``X`` with an ``X.quant_state.bitsandbytes__*``."""
+    marker = ".quant_state.bitsandbytes__"
+    return [k.split(marker)[0] for k in file_keys if marker in k]
+
+
+def _quant_parts(key: str, file_keys) -> list[str]:
+    names = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+    return [f"{key}.{n}" for n in names if f"{key}.{n}" in file_keys] + [
+        k for k in file_keys if k.startswith(f"{key}.quant_state.")]
+
+
+def _quantized_layer(root: nn.Module, key: str, name: str, file_keys):
+    """``(parent, attribute, NF4Linear)`` for the checkpoint's quantized ``key`` (the model's ``name``),
+    its tensors checked against its quant state and the layer it replaces."""
+    from .quant import NF4Linear
+    from .quant.nf4 import from_state_dict
+
+    if key not in file_keys:
+        raise LoraccError(f"load_base_weights: {key} has a quant state but no packed weight {key} in the checkpoint; "
+                          "the file is incomplete")
+    tensors = {k: _read(file_keys[k], k) for k in [key] + _quant_parts(key, file_keys)}
+    q = from_state_dict(tensors, key)
+    parent, attr, layer = _module_of(root, name.removesuffix(".weight"))
+    if not isinstance(layer, (nn.Linear, NF4Linear)) or not name.endswith(".weight"):
+        raise LoraccError(f"load_base_weights: {key} is stored quantized but the model's {name} belongs to a "
+                          f"{type(layer).__name__}; loracc reads quantized weights of linear layers only")
+    if q.shape != (layer.out_features, layer.in_features):
+        raise LoraccError(f"load_base_weights: {key} is quantized with shape {list(q.shape)} but the model's {name} has "
+                          f"{[layer.out_features, layer.in_features]}: the checkpoint is for another model or config")
+    device = layer.weight.device
+    compute = layer.weight.dtype if layer.weight.is_floating_point() else layer.compute_dtype
+    for field in ("packed", "absmax", "quant_map", "nested_absmax", "nested_quant_map", "offset"):
+        value = getattr(q, field)
+        if value is not None:
+            setattr(q, field, value.to(device))
+    return parent, attr, NF4Linear(q, layer.bias, compute).train(layer.training)
+
+
+def _module_of(root: nn.Module, plain: str):
+    """``(parent, attribute, module)`` of the module the checkpoint calls ``plain`` (PEFT's wrappers
+    skipped: a LoRA layer's frozen linear is its ``base_layer``)."""
+    found = [path for path, _ in root.named_modules() if _plain_name(path) == plain]
+    if found:  # a LoRA layer and its base_layer share the plain name: the base layer comes last
+        parent_path, _, attr = found[-1].rpartition(".")
+        return root.get_submodule(parent_path), attr, root.get_submodule(found[-1])
+    raise LoraccError(f"load_base_weights: the model has no layer {plain} for the checkpoint's quantized {plain}.weight")
 
 
 def save_adapter(model: nn.Module, directory, **save_kwargs) -> Path:
@@ -262,22 +323,27 @@ def _base_tensors(root: nn.Module) -> dict[str, list[torch.Tensor]]:
     """The model's base (non-LoRA) state under its original names: PEFT's wrapper segments removed."""
     targets: dict[str, list[torch.Tensor]] = {}
     for name, tensor in root.state_dict(keep_vars=True).items():
-        parts = name.split(".")
-        if any(p.startswith("lora_") for p in parts):
+        if any(p.startswith("lora_") for p in name.split(".")):
             continue
-        plain, i = [], 0
-        while i < len(parts):
-            if parts[i] in ("base_layer", "original_module"):
-                i += 1
-            elif parts[i] == "modules_to_save":  # PEFT's trainable copy of a module: '<name>.modules_to_save.<adapter>'
-                i += 2
-            else:
-                plain.append(parts[i])
-                i += 1
-        entry = targets.setdefault(".".join(plain), [])
+        entry = targets.setdefault(_plain_name(name), [])
         if not any(t is tensor for t in entry):
             entry.append(tensor)
     return targets
+
+
+def _plain_name(name: str) -> str:
+    """``name`` without PEFT's wrapper segments (``base_layer``, ``original_module``, ``modules_to_save.<adapter>``)."""
+    parts = name.split(".")
+    plain, i = [], 0
+    while i < len(parts):
+        if parts[i] in ("base_layer", "original_module"):
+            i += 1
+        elif parts[i] == "modules_to_save":  # PEFT's trainable copy of a module: '<name>.modules_to_save.<adapter>'
+            i += 2
+        else:
+            plain.append(parts[i])
+            i += 1
+    return ".".join(plain)
 
 
 def _key_mapping(file_keys: list[str], targets: dict, prefix: str):

@@ -175,3 +175,123 @@ def test_last_complete_checkpoint(tmp_path):
         if complete:
             (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
+
+
+# Checkpoints quantized in bitsandbytes' NF4 layout ---------------------------------------------------
+
+
+def _quantized_checkpoint(path, source, double_quant=True, corrupt=None):
+    """``source``'s state in bitsandbytes' serialization of a ``load_in_4bit`` model: every decoder linear as
+    ``weight`` (packed) + ``weight.absmax``, ``weight.quant_map``, [``weight.nested_*``], ``weight.quant_state...``;
+    returns bitsandbytes' own decoding of each (``dequantize_4bit``, its reference backend on the CPU)."""
+    F = pytest.importorskip("bitsandbytes").functional
+    from test_quant import _bnb_dequantize
+
+    tensors, decoded = {}, {}
+    for name, tensor in source.state_dict().items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            packed, state = F.quantize_4bit(tensor, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+            tensors[name] = packed
+            tensors.update({f"{name}.{k}": v for k, v in state.as_dict(packed=True).items()})
+            decoded[name] = _bnb_dequantize(packed, state)
+        else:
+            tensors[name] = tensor.clone()
+    if corrupt is not None:
+        corrupt(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+    return decoded
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+def test_nf4_checkpoint_loads_into_quantized_layers(tmp_path, double_quant):
+    from loracc.quant import NF4Linear
+
+    source = llama(hidden=64)
+    decoded = _quantized_checkpoint(tmp_path, source, double_quant)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    model = get_peft_model(llama(hidden=64), config)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    poison(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in adapters:
+                p.copy_(adapters[n])
+    report = load_base_weights(model, tmp_path)
+    assert report.loaded == len(source.state_dict()) and not report.missing
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, NF4Linear)}
+    assert len(layers) == 14 and all("lora_" not in n for n in layers)
+    q_proj = model.base_model.model.model.layers[1].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, NF4Linear) and hasattr(q_proj, "lora_A")
+    for name, layer in layers.items():
+        plain = name.replace("base_model.model.", "").replace(".base_layer", "") + ".weight"
+        assert torch.equal(layer.dequantized_weight(), decoded[plain]), plain
+    assert torch.equal(model.base_model.model.model.norm.weight, source.model.norm.weight)
+    # The same model with the decoded weights in plain linears computes the same loss.
+    reference = llama(hidden=64)
+    reference.load_state_dict({**source.state_dict(), **decoded})
+    reference = get_peft_model(reference, config)
+    reference.load_state_dict(adapters, strict=False)
+    ids = torch.randint(0, 101, (2, 9))
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+
+
+def _truncate(key):
+    def corrupt(tensors):
+        tensors[key] = tensors[key][:-1].clone()
+    return corrupt
+
+
+@pytest.mark.parametrize("part", ["absmax", "nested_absmax", "quant_map", ""])
+def test_quant_state_not_matching_its_weight_names_the_tensor(tmp_path, part):
+    key = "model.layers.1.mlp.up_proj.weight" + (f".{part}" if part else "")
+    _quantized_checkpoint(tmp_path, llama(hidden=64), corrupt=_truncate(key))
+    model = llama(hidden=64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LoraccError, match=key.replace(".", r"\.") + " does not match its quant state"):
+        load_base_weights(model, tmp_path)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert type(model.model.layers[1].mlp.up_proj) is torch.nn.Linear
+
+
+def test_fp4_checkpoint_is_refused_by_name(tmp_path):
+    F = pytest.importorskip("bitsandbytes").functional
+    source = llama(hidden=64)
+    tensors = dict(source.state_dict())
+    name = "model.layers.0.self_attn.o_proj.weight"
+    packed, state = F.quantize_4bit(tensors[name], blocksize=64, quant_type="fp4")
+    tensors[name] = packed
+    tensors.update({f"{name}.{k}": v for k, v in state.as_dict(packed=True).items()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(LoraccError, match=r"o_proj\.weight\.quant_state\.bitsandbytes__fp4: loracc reads NF4 only"):
+        load_base_weights(llama(hidden=64), tmp_path)
+
+
+def test_adapter_trained_on_a_quantized_base_loads_onto_peft_bitsandbytes(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes")
+    import loracc
+    from peft import PeftModel
+
+    model = get_peft_model(llama(hidden=64), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    loracc.quantize(model, "nf4")
+    compiled = loracc.compile(model, backend="eager")
+    ids = torch.randint(0, 101, (2, 9))
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    save_adapter(compiled, tmp_path / "adapter")
+    base = llama(hidden=64)
+    for layer in base.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for attr, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                four = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=torch.float32,
+                                         quant_type="nf4")
+                four.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                setattr(parent, attr, four.to("cpu"))
+    base.is_loaded_in_4bit = True
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert type(loaded.base_model.model.model.layers[0].self_attn.q_proj).__module__ == "peft.tuners.lora.bnb"
+    theirs = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    ours = {n: p for n, p in compiled.named_parameters() if "lora_" in n}
+    assert len(theirs) == len(ours) == 8
+    for name, p in ours.items():
+        assert torch.equal(theirs[name], p.detach()), name
