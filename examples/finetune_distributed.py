@@ -68,6 +68,9 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true", help="CPU processes over gloo (default: one GPU per process, NCCL)")
     parser.add_argument("--engine", choices=ENGINES, default="ddp")
     parser.add_argument("--fsdp", action="store_true", help="with --engine trainer: FSDP2 (fsdp_config version 2), not DDP")
+    parser.add_argument("--meta-init", action="store_true",
+                        help="with --engine fsdp2: build the model on the meta device and give each rank only its shards "
+                             "(random, but other numbers than a model built whole): for models one device cannot hold")
     parser.add_argument("--eager", action="store_true", help="train the eager PEFT model (no loracc), for comparison")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="base weights (default: bfloat16 on GPU)")
     parser.add_argument("--batch-size", type=int, help="sequences per rank per step (default 4)")
@@ -93,6 +96,8 @@ def parse_args(argv=None):
     if args.fsdp and args.cpu:  # accelerate would run DDP instead, saying nothing
         parser.error("--fsdp: accelerate (under Trainer) shards with FSDP on GPUs only; on the CPU use "
                      "--engine fsdp2 (a plain loop) or leave --fsdp out (Trainer with DDP)")
+    if args.meta_init and args.engine != "fsdp2":
+        parser.error("--meta-init goes with --engine fsdp2 (the other engines keep a whole model on every rank)")
     if args.warmup >= args.steps:
         args.warmup = 0
     return args
@@ -119,15 +124,34 @@ def setup(args) -> torch.device:
 
 def build(args, device):
     """The PEFT model (LoRA r=``--rank`` on the seven projections, random base) on ``device``, the
-    same on every rank (same seed)."""
+    same on every rank (same seed); on the meta device with ``--meta-init``."""
     dtype = getattr(torch, args.dtype)
     config = transformers.LlamaConfig(**PRESETS[args.preset], attn_implementation="sdpa")
     torch.manual_seed(args.seed)
-    with device:
+    with torch.device("meta") if args.meta_init else device:
         base = transformers.LlamaForCausalLM(config).to(dtype)
     base.config.use_cache = False
     # PEFT keeps the adapters in float32 over a bfloat16 base (autocast_adapter_dtype).
     return get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=PROJECTIONS))
+
+
+@torch.no_grad()
+def materialize(model, device) -> None:
+    """Allocate a meta-built, sharded model's shards on ``device`` and fill them: base weights
+    N(0, 0.02), norms 1, LoRA A N(0, 0.02) and B 0 (as PEFT starts), rotary tables recomputed."""
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.zero_()
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02)
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "compute_default_rope_parameters"):
+            inv_freq, _ = module.compute_default_rope_parameters(module.config)
+            module.inv_freq.copy_(inv_freq)
+            module.original_inv_freq.copy_(inv_freq)
 
 
 def sequences(seq_len: int) -> torch.Tensor:
@@ -167,6 +191,8 @@ def wrap(args, model, device):
         for layer in model.base_model.model.model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
+        if args.meta_init:
+            materialize(model, device)
         return model, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     # flat: the parameters start equal everywhere (same seed); make sure, once
     for p in params:
