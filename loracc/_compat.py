@@ -26,9 +26,38 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
     ``lazy_graph_module``. ``decompositions``: ATen op → a function of the op's arguments traced in
     its place.
     """
+    if any(is_symbolic(t) for t in example_inputs):
+        fn = _with_symbolic_linear(fn)
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
     with _without_saved_tensors_hooks(), _preserve_meta(), _use_lazy_graph_module(True):
         return traced(*example_inputs)
+
+
+def _with_symbolic_linear(fn):
+    """``fn`` with ``F.linear`` traced as view + mm (+ bias) + view, written with symbolic sizes:
+    ATen's own composite ``linear`` reads concrete sizes on some torch versions (2.11), which would
+    fix a symbolic batch or sequence size to the traced one. ``passes.cleanup`` folds it back into
+    one ``aten.linear``."""
+    from torch.overrides import TorchFunctionMode
+
+    def linear(x, weight, bias=None):
+        if x.dim() == 2:
+            return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.mm(flat, weight.t()) if bias is None else torch.addmm(bias, flat, weight.t())
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    class SymbolicLinear(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear or func is torch._C._nn.linear:
+                return linear(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    def traced(*args):
+        with SymbolicLinear():
+            return fn(*args)
+
+    return traced
 
 
 def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
@@ -41,11 +70,19 @@ def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
 
     shape_env = ShapeEnv(duck_shape=True)
     mode = FakeTensorMode(shape_env=shape_env)
+    free = {size for t, dims in zip(tensors, dynamic) for size, d in zip(t.shape, dims) if d}
+
+    def context(t, dims):
+        sizes = [DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]
+        base = None
+        if t._is_view():  # the base a view is made from: the same sizes free (else they are tied to constants)
+            base = context(t._base, [size in free for size in t._base.shape])
+        return StatelessSymbolicContext(dynamic_sizes=sizes, dynamic_strides=[DimDynamic.INFER_STRIDE] * len(dims),
+                                        view_base_context=base)
+
     fakes = []
     for t, dims in zip(tensors, dynamic):
-        sizes = [DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]
-        context = StatelessSymbolicContext(dynamic_sizes=sizes, dynamic_strides=[DimDynamic.INFER_STRIDE] * len(dims))
-        fake = mode.from_tensor(t, symbolic_context=context)
+        fake = mode.from_tensor(t, symbolic_context=context(t, dims))
         fakes.append(fake.requires_grad_(t.requires_grad) if t.is_leaf else fake)
     return fakes, shape_env
 

@@ -30,7 +30,8 @@ from .pipeline import Program, compile_call
 
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
-# program with those dims symbolic, which every later size its guards admit reuses.
+# program with those dims symbolic, which replaces the static one and serves every later size its
+# guards admit (memory does not grow with the number of lengths).
 STATIC_SIGNATURES = 1
 RECOMPILE_WARNING_AT = 8
 # cuda_graphs="auto" tries graphs for a region's first call signatures only (a block's first layer,
@@ -159,7 +160,7 @@ class Region:
     def _compile(self, module, path, signature, state, key):
         generic = _generic_key(key)
         static = [k for k, p in self.programs.items() if p is not None and not p.dynamic and _generic_key(k) == generic]
-        dynamic = len(static) >= STATIC_SIGNATURES
+        dynamic = len(static) >= STATIC_SIGNATURES or any(p.generic_key == generic for p in self.dynamic_programs)
         log.info("compiling region %s for %s%s", self.name, _describe_shapes(signature.tensors),
                  " (batch and sequence dims symbolic)" if dynamic else "")
         start = time.perf_counter()
@@ -179,8 +180,12 @@ class Region:
         if self.programs:
             self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
         if program.dynamic:
-            program.generic_key = _generic_key(key)
+            program.generic_key = generic
             self.dynamic_programs.append(program)
+            # The static programs of the same kind go (their CUDA graphs and buffers with them):
+            # their calls are served by this one where its guards admit them, else compile anew.
+            for k in static:
+                del self.programs[k]
         compiled = [p for p in self.programs.values() if p is not None]
         if program.dynamic:
             pass  # runs from Python: a CUDA graph is made for one set of sizes

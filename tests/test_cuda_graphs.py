@@ -282,11 +282,12 @@ def test_auto_backward_follows_its_forward_and_a_failed_capture_stays_in_python(
     assert levels == {"INFO", "WARNING"}  # only cuda_graphs=True asked for a graph loudly
 
 
-def test_auto_graphs_a_regions_first_call_signatures_only():
-    """A new sequence length compiles new programs; "auto" stops trying graphs after a region's
-    first two call signatures (each kept graph holds its inputs and outputs)."""
+def test_auto_graphs_a_regions_first_call_signatures_only(monkeypatch):
+    """Static programs only (each call signature its own program): "auto" stops trying graphs after
+    a region's first two call signatures (each kept graph holds its inputs and outputs)."""
     from loracc.runtime import AUTO_GRAPHED_SIGNATURES
 
+    monkeypatch.setattr(loracc.runtime, "STATIC_SIGNATURES", 10**6)
     model, batch = presets.preset("llama", layers=3, seq=12)
     model = loracc.compile(model, backend="eager")
     backend = model._loracc.backend
@@ -309,6 +310,22 @@ def test_auto_graphs_a_regions_first_call_signatures_only():
     block_decisions = [d for d in loracc.explain(model).cuda_graphs if d.startswith(block.name)]
     assert sum("graphs the first 2 call signatures" in d for d in block_decisions) == \
         2 * (len(programs) - AUTO_GRAPHED_SIGNATURES)
+
+
+def test_symbolic_programs_run_from_python_and_replace_the_static_ones():
+    """A second sequence length compiles one symbolic program per call kind, never graphed (a
+    CUDA graph holds one set of sizes); the static programs of those kinds are dropped, their
+    graphs with them, and later lengths reuse the symbolic programs."""
+    model, batch = presets.preset("llama", layers=3, seq=12)
+    model = loracc.compile(model, backend="eager")
+    backend = model._loracc.backend
+    backend.compile = lambda gm, stage, after=None, repeats=1, **_: Replayer(gm, f"{stage} graph", mode="auto", after=after)
+    for seq in (12, 9, 7, 11):
+        model(**{k: v[:, :seq] for k, v in batch.items()}).loss.backward()
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    programs = {id(p): p for p in block.programs.values() if p is not None}.values()
+    assert programs and all(p.dynamic for p in programs)
+    assert len(block.dynamic_programs) == 2 and block.captures == 4  # 2 call kinds: static, then symbolic
 
 
 def _two_outputs(name):

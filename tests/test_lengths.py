@@ -92,3 +92,103 @@ def test_padding_with_an_attention_mask_matches_eager(side):
             mask[row, :pad] = 0
     labels = ids.masked_fill(mask == 0, -100)
     _assert_same_training(eager, compiled, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+
+def _captures(model) -> dict:
+    return {r.name: r.captures for r in model._loracc.regions}
+
+
+def test_many_lengths_share_one_symbolic_program_per_region():
+    """Lengths 7, 19, 33, 64, 12 (and back): the second length compiles one symbolic program per
+    call kind; every later length reuses it (no capture), with eager's loss and gradients."""
+    eager, compiled = _pair()
+    vocab = eager.config.vocab_size
+    seen = []
+    for seq in (7, 19, 33, 64, 12, 7):
+        ids = torch.randint(0, vocab, (2, seq))
+        _assert_same_training(eager, compiled, {"input_ids": ids, "labels": ids})
+        seen.append(_captures(compiled))
+    assert seen[2] == seen[1] and seen[-1] == seen[1], seen  # nothing compiled after the second length
+    for region in compiled._loracc.regions:
+        assert region.dynamic_programs, region.name
+        assert all(p.dynamic for p in region.programs.values() if p is not None)  # the static ones went
+    assert "symbolic" in str(loracc.explain(compiled))
+
+
+def test_new_batch_sizes_reuse_the_symbolic_program():
+    eager, compiled = _pair()
+    vocab = eager.config.vocab_size
+    for batch, seq in ((2, 9), (3, 14), (5, 6), (4, 21)):
+        ids = torch.randint(0, vocab, (batch, seq))
+        _assert_same_training(eager, compiled, {"input_ids": ids, "labels": ids})
+        if batch == 3:
+            after_second = _captures(compiled)
+    assert _captures(compiled) == after_second
+
+
+def test_gradient_accumulation_over_micro_batches_of_different_lengths():
+    """Trainer-style accumulation: each micro-batch's loss summed over its tokens and divided by
+    the step's token count (num_items_in_batch), gradients summed over micro-batches."""
+    eager, compiled = _pair()
+    vocab = eager.config.vocab_size
+    micro = []
+    for seq, pad in ((9, 2), (17, 5), (5, 0)):
+        ids = torch.randint(0, vocab, (2, seq))
+        labels = ids.clone()
+        labels[1, seq - pad:] = -100
+        mask = (labels != -100).long()
+        micro.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    for model in (eager, compiled):
+        for b in micro:
+            model(**b, num_items_in_batch=torch.tensor(items)).loss.backward()
+    checked = 0
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name
+            checked += 1
+    assert checked
+
+
+def test_symbolic_programs_run_generated_row_kernels(tmp_path, monkeypatch):
+    """The Triton backend (interpreter on the CPU): a symbolic program's fused row groups run
+    kernels generic in the length (sizes as run-time arguments), equal to eager at every length."""
+    pytest.importorskip("triton")
+    from loracc.codegen.triton_backend import available
+
+    if available(torch.device("cpu")) is not None:
+        pytest.skip(str(available(torch.device("cpu"))))
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))
+    model, _ = presets.preset("llama", layers=1)
+    compiled = loracc.compile(copy.deepcopy(model), backend="triton")
+    vocab = model.config.vocab_size
+    for seq in (5, 13, 20):
+        ids = torch.randint(0, vocab, (2, seq))
+        _assert_same_training(model, compiled, {"input_ids": ids, "labels": ids})
+    report = compiled._loracc.backend.report
+    generic = [e for e in report if "_dyn" in e["runs"]]
+    assert generic, [e["runs"] for e in report]
+    assert not [e for e in report if e["runs"].startswith("reference ops")], report
+
+
+def test_position_ids_longer_than_the_input_fail_as_eager_does():
+    eager, compiled = _pair()
+    ids = torch.randint(0, eager.config.vocab_size, (1, 8))
+    bad = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(9)[None]}
+    with pytest.raises(Exception) as eager_error:
+        eager(**bad)
+    with pytest.raises(type(eager_error.value)):
+        compiled(**bad)
+
+
+def test_an_empty_batch_fails_as_eager_does():
+    eager, compiled = _pair()
+    ids = torch.randint(0, eager.config.vocab_size, (0, 8))
+    outcome = []
+    for model in (eager, compiled):
+        try:
+            out = model(input_ids=ids, labels=ids)
+            outcome.append(("ok", out.loss.isnan().item()))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            outcome.append(("error", type(exc)))
+    assert outcome[0] == outcome[1], outcome

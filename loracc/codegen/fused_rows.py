@@ -10,6 +10,10 @@ their strides (broadcast dims read stride 0), outputs are written with the strid
 recorded for them; offsets are int64 where one can reach 2^31. Values in 16-bit dtypes are computed
 in fp32 and rounded to their dtype after each op, as the eager ops do (a 0-dim fp32 operand of a
 16-bit op is rounded to it first, as eager converts it).
+
+A group traced with symbolic batch and sequence sizes (``capture.dynamic_dims``) gets a kernel
+generic in them: its leading dims and row count are run-time arguments (``R0``, ``R1``, …,
+``n_rows``), read at each call from the inputs' sizes; its last dims stay constants.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..graph import output_node
 from ..passes.fusion import PASS_THROUGH, FusedRows
 from ..passes.memory_plan import value_bytes
@@ -328,9 +333,11 @@ class RowKernel:
         self.group = group
         self.__name__ = group.__name__
         rows = group.rows
-        self.n_rows = math.prod(rows)
         gm = group.graph
         nodes = list(gm.graph.nodes)
+        self.symbolic = any(_compat.is_symbolic(n.meta.get("val")) for n in nodes) or any(map(_compat.is_symbolic, rows))
+        self._sizes = _SymbolicSizes(group, list(output_node(gm).args[0])) if self.symbolic else None
+        self.n_rows = _compat.hint(math.prod(rows))  # symbolic sizes: at the traced shapes
         widths = [_width(n.meta.get("val")) for n in nodes if n.op != "output"]
         self.width = max(widths)
         self.block_d = 1 << (self.width - 1).bit_length()
@@ -353,8 +360,13 @@ class RowKernel:
         self._recorded_strides = [v.stride() if isinstance(v, torch.Tensor) else None for v in self.input_vals]
         index_lines = []
         for d, size in enumerate(rows):
-            inner = math.prod(rows[d + 1:])
-            expression = "rows" if inner == 1 else f"rows // {inner}"
+            if self.symbolic:  # the frame's sizes are run-time arguments R0, R1, ...
+                inner = " * ".join(f"R{e}" for e in range(d + 1, len(rows)))
+                expression = f"rows // ({inner})" if inner else "rows"
+                size = f"R{d}"
+            else:
+                inner = math.prod(rows[d + 1:])
+                expression = "rows" if inner == 1 else f"rows // {inner}"
             if d > 0:
                 expression = f"({expression}) % {size}"
             index_lines.append(f"i{d} = {expression}")
@@ -364,13 +376,14 @@ class RowKernel:
         self.source = render(
             "fused_rows.py.jinja",
             name=name,
-            computes=f"{len(group.ops)} fused ops ({', '.join(group.ops)}) over rows of {list(rows)}",
+            computes=f"{len(group.ops)} fused ops ({', '.join(group.ops)}) over rows of {_frame(rows)}",
             shapes=[f"in{i}: {_shape(v)}" for i, v in enumerate(self.input_vals)]
             + [f"out{i}: {_shape(v)}" for i, v in enumerate(self.output_vals)],
             ops=[_describe(n) for n in nodes if n.op == "call_function"],
             pointers=[f"in{i}" for i in range(len(self.input_vals))] + [f"out{i}" for i in range(len(self.outputs))],
             strides=emitter.strides,
-            n_rows=self.n_rows,
+            n_rows="n_rows" if self.symbolic else self.n_rows,
+            sizes=[f"R{d}" for d in range(len(rows))] + ["n_rows"] if self.symbolic else [],
             rows_shape=" × ".join(str(r) for r in rows) or "1",
             width=self.width,
             wide_offsets=wide_offsets,
@@ -391,7 +404,8 @@ class RowKernel:
             if op not in ops and op not in ("to_copy", "clone"):
                 ops.append(op)
         wide = "_i64" if self.wide_offsets else ""
-        return f"rows_{'_'.join(ops[:5])}{'_etc' if len(ops) > 5 else ''}_w{self.width}{wide}"
+        sym = "_dyn" if self.symbolic else ""
+        return f"rows_{'_'.join(ops[:5])}{'_etc' if len(ops) > 5 else ''}_w{self.width}{wide}{sym}"
 
     @functools.cached_property
     def _wide(self) -> RowKernel:
@@ -401,6 +415,8 @@ class RowKernel:
         return _load(self.name, self.source, device)
 
     def __call__(self, *inputs, out: list | None = None):
+        if self.symbolic:
+            return self._call_symbolic(inputs, out)
         for i, (t, v) in enumerate(zip(inputs, self.input_vals)):
             if isinstance(v, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != v.shape):
                 raise ValueError(f"{self.name}: input {i} has shape {getattr(t, 'shape', None)}, the kernel was made for {tuple(v.shape)}")
@@ -416,6 +432,22 @@ class RowKernel:
                                   num_warps=self.num_warps)
         return tuple(outputs)
 
+    def _call_symbolic(self, inputs, out):
+        frame, shapes, strides_out = self._sizes(inputs)
+        n_rows = math.prod(frame)
+        device = inputs[0].device
+        outputs = out if out is not None else [
+            torch.empty_strided(shape, stride, dtype=v.dtype, device=device)
+            for shape, stride, v in zip(shapes, strides_out, self.output_vals)
+        ]
+        if not self.wide_offsets and max(map(_span, [*inputs, *outputs]), default=0) >= 2**31:
+            return self._wide(*inputs, out=outputs)
+        strides = self._strides(inputs, outputs)
+        grid = (max(1, -(-n_rows // self.block_r)),)
+        self.kernel(device)[grid](*inputs, *outputs, *strides, *frame, n_rows, BLOCK_R=self.block_r,
+                                  BLOCK_D=self.block_d, num_warps=self.num_warps)
+        return tuple(outputs)
+
     def _strides(self, inputs, outputs) -> list[int]:
         """The stride arguments of a launch on these inputs and outputs."""
         operands = {"in": inputs, "out": outputs}
@@ -425,10 +457,58 @@ class RowKernel:
         """Compile the kernel for the traced graph's values, without running it (``precompile``)."""
         from .precompile import pointer
 
-        strides = self._strides(self.input_vals, self.output_vals)
+        strides = [_compat.hint(s) for s in self._strides(self.input_vals, self.output_vals)]
         args = [pointer(v) if isinstance(v, torch.Tensor) else v for v in [*self.input_vals, *self.output_vals]]
+        if self.symbolic:  # the frame's sizes at the traced shapes (not specialized on by the kernel)
+            strides += [_compat.hint(r) for r in self.group.rows] + [self.n_rows]
         return self.kernel(device).warmup(*args, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
                                           num_warps=self.num_warps, grid=(1,))
+
+
+class _SymbolicSizes:
+    """For a group with symbolic sizes: a function of a call's inputs giving the frame's sizes and
+    each output's shape and strides, generated as Python (sizes read from the inputs, then the
+    traced expressions evaluated). ``NotImplementedError`` where a size is not an expression of the
+    inputs' sizes, or a last dim is symbolic (the kernel's columns are constants)."""
+
+    def __init__(self, group: FusedRows, outputs: list):
+        from torch.utils._sympy.printers import PythonPrinter
+
+        for node in group.graph.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.ndim and _compat.is_symbolic(val.shape[-1]):
+                raise NotImplementedError(f"{node.name}'s last dim is symbolic")
+        lines, bound = [], set()
+        for i, val in enumerate(group.input_vals):
+            for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and size.node.expr not in bound:
+                    bound.add(size.node.expr)
+                    lines.append(f"    {size.node.expr} = inputs[{i}].shape[{d}]")
+        printer = PythonPrinter()
+
+        def code(size) -> str:
+            if not isinstance(size, torch.SymInt):
+                return str(int(size))
+            missing = size.node.expr.free_symbols - bound
+            if missing:
+                raise NotImplementedError(f"size {size.node.expr} is not read from the group's inputs")
+            return f"({printer.doprint(size.node.expr)})"
+
+        vals = [o.meta["val"] for o in outputs]
+        tuple_of = lambda sizes: "(" + "".join(code(s) + ", " for s in sizes) + ")"  # noqa: E731
+        lines.append(f"    return {tuple_of(group.rows)}, [{', '.join(tuple_of(v.shape) for v in vals)}], "
+                     f"[{', '.join(tuple_of(v.stride()) for v in vals)}]")
+        self.source = "def sizes(inputs):\n" + "\n".join(lines)
+        namespace: dict = {}
+        exec(compile(self.source, f"<sizes of {group.__name__}>", "exec"), namespace)
+        self._fn = namespace["sizes"]
+
+    def __call__(self, inputs):
+        return self._fn(inputs)
+
+
+def _frame(rows) -> str:
+    return "[" + ", ".join(str(r) for r in rows) + "]"
 
 
 def _shape(val) -> str:

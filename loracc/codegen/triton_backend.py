@@ -84,15 +84,10 @@ class TritonBackend:
         ``fixed_inputs``, ``lend_from``: see ``cuda_graphs.Replayer``."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
-        # A graph with symbolic batch and sequence sizes: the row kernels are generated for fixed
-        # shapes, so its fused groups run their ATen ops; the LoRA and loss kernels take their sizes
-        # at run time; it runs from Python (a CUDA graph holds one set of sizes).
+        # A graph with symbolic batch and sequence sizes runs from Python (a CUDA graph holds one set
+        # of sizes); its kernels take those sizes at run time.
         symbolic = any(_compat.is_symbolic(p.meta.get("val")) for p in graph.find_nodes(op="placeholder"))
         for node in graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, FusedRows) and symbolic:
-                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
-                                    "runs": "reference ops: symbolic sizes (the row kernels are generated per shape)"})
-                continue
             if node.op == "call_function" and isinstance(node.target, FusedRows):
                 try:
                     kernel = fused_rows.kernel_for(node.target)
