@@ -12,7 +12,8 @@ global batch. ``--engine`` picks how the ranks share the work:
   backward (``loracc.distributed.all_reduce_gradients``);
 - ``trainer``: Hugging Face ``Trainer`` (DDP, or FSDP2 with ``--fsdp``) on the compiled model.
 
-``--eager`` trains the PEFT model without loracc, the baseline to compare with. Rank 0 prints the
+``--method`` picks what runs the model: ``loracc`` (the default), ``eager`` (PEFT as it is) or
+``torch.compile`` (PEFT with each decoder layer ``torch.compile``-d), the baselines. Rank 0 prints the
 steps, tokens/s (per GPU and in all, timed after ``--warmup`` steps) and saves the adapter
 (``--output-dir``, PEFT format, full tensors gathered from the shards).
 
@@ -59,6 +60,7 @@ PRESETS = {
                         num_key_value_heads=8, vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5),
 }
 ENGINES = ("ddp", "fsdp2", "flat", "trainer")
+METHODS = ("loracc", "eager", "torch.compile")
 
 
 def parse_args(argv=None):
@@ -71,7 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--meta-init", action="store_true",
                         help="with --engine fsdp2: build the model on the meta device and give each rank only its shards "
                              "(random, but other numbers than a model built whole): for models one device cannot hold")
-    parser.add_argument("--eager", action="store_true", help="train the eager PEFT model (no loracc), for comparison")
+    parser.add_argument("--method", choices=METHODS, default="loracc",
+                        help="loracc, or a baseline: eager PEFT, or PEFT with torch.compile on each decoder layer")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="base weights (default: bfloat16 on GPU)")
     parser.add_argument("--batch-size", type=int, help="sequences per rank per step (default 4)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
@@ -104,21 +107,24 @@ def parse_args(argv=None):
 
 
 def setup(args) -> torch.device:
-    """The process group (gloo on the CPU, NCCL on GPUs) from torchrun's environment, and this rank's device."""
+    """The process group from torchrun's environment and this rank's device: gloo on the CPU; on GPUs
+    NCCL, or gloo where ranks share a GPU (more processes than GPUs: NCCL needs one GPU per rank)."""
     if "RANK" not in os.environ:
         raise SystemExit("run this script with torchrun, e.g.: torchrun --nproc_per_node=2 "
                          "examples/finetune_distributed.py --tiny --cpu")
+    local, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if args.cpu:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no GPU here: add --cpu to train in CPU processes over gloo")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        count = torch.cuda.device_count()
+        device, backend = torch.device("cuda", local % count), "nccl" if local_world <= count else "gloo"
         torch.cuda.set_device(device)
     if args.engine != "trainer":  # Trainer (accelerate) sets the process group up itself
-        dist.init_process_group("gloo" if args.cpu else "nccl", timeout=datetime.timedelta(minutes=10),
-                                device_id=None if args.cpu else device)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10),
+                                device_id=device if backend == "nccl" else None)
     return device
 
 
@@ -173,10 +179,19 @@ def global_batches(rows: torch.Tensor, global_size: int, seed: int):
             yield rows[order[start:start + global_size]]
 
 
+def prepare(args, model):
+    """The model as ``--method`` runs it."""
+    if args.method == "loracc":
+        return loracc.compile(model)
+    if args.method == "torch.compile":
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
+    return model
+
+
 def wrap(args, model, device):
     """``(module to call, module holding the parameters, optimizer)`` for the engine."""
-    if not args.eager:
-        model = loracc.compile(model)
+    model = prepare(args, model)
     params = [p for p in model.parameters() if p.requires_grad]
     if args.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -207,8 +222,8 @@ def train(args, device):
     batches = global_batches(sequences(args.seq_len), args.batch_size * world, args.seed)
     if rank == 0:
         trainable = sum(p.numel() for p in inner.parameters() if p.requires_grad)
-        print(f"{args.preset} ({args.dtype}), {'eager PEFT' if args.eager else 'loracc'} under {args.engine}, "
-              f"{world} rank(s) on {device.type}, {args.batch_size}×{args.seq_len} tokens per rank, "
+        print(f"{args.preset} ({args.dtype}), {args.method} under {args.engine}, "
+              f"{world} rank(s) on {device.type} ({dist.get_backend()}), {args.batch_size}×{args.seq_len} tokens per rank, "
               f"{trainable:,} trainable parameters (world-wide count before sharding)", flush=True)
     start, tokens = None, 0
     for step in range(args.steps):
@@ -238,7 +253,7 @@ def train(args, device):
               f"(steps {args.warmup + 1}..{args.steps}, {seconds:.1f} s)")
         if device.type == "cuda":
             print(f"peak memory rank 0: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-        if not args.eager:
+        if args.method == "loracc":
             report = loracc.explain(inner)
             print(f"loracc: {len(report.regions)} region(s), {len(report.fallbacks)} fallback(s) to eager")
     if args.output_dir:
@@ -274,9 +289,7 @@ def trainer(args, device) -> None:
         def __getitem__(self, i):
             return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
-    model = build(args, device)
-    if not args.eager:
-        model = loracc.compile(model)
+    model = prepare(args, build(args, device))
     extra = {}
     if args.fsdp:
         extra = dict(fsdp="full_shard auto_wrap", fsdp_config={
