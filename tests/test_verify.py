@@ -182,3 +182,33 @@ def test_relative_error_sees_non_finite_values_and_shapes():
     assert verify.relative_error(b, b) == 0.0 and verify.relative_error(b, a) == float("inf")
     assert verify.relative_error(a, a[:2]) == float("inf")
     assert verify.relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
+
+
+def test_a_16_bit_call_outside_the_tolerance_is_judged_against_fp32(monkeypatch):
+    """With a bf16 tolerance too tight for any two bf16 computations, the compiled result is judged
+    by its distance to an fp32 run: as close as eager's, it passes; sign-flipped, it does not."""
+    monkeypatch.setitem(verify.TOLERANCES, torch.bfloat16, 1e-9)
+    model, batch = _model("plain")
+    model, batch = model.to(torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in batch.items()}
+    loracc.compile(model, backend="eager", verify=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model, batch)
+    assert _loracc_warnings(caught) == []
+    checks = model._loracc.regions[0].verifications
+    assert checks and all(c.passed for c in checks)
+    judged = [c for v in checks for c in v.outputs + v.gradients if c.fp32 is not None]
+    assert judged and all(0 < c.fp32[1] < 2e-2 and c.fp32[0] <= 2 * c.fp32[1] + 1e-4 for c in judged)
+    assert "against an fp32 run" in checks[0].describe()
+
+
+def test_a_sign_flip_in_bf16_is_caught_against_fp32_too(monkeypatch):
+    real_fusion = pipeline.fusion
+    monkeypatch.setattr(pipeline, "fusion", lambda gm: _flip_first_gradient(real_fusion(gm)))
+    model, batch = _model("plain")
+    model, batch = model.to(torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in batch.items()}
+    loracc.compile(model, backend="eager", verify=True)
+    with pytest.warns(UserWarning, match=r"differs by 2\.0e\+00 relative \(tolerance 2e-02\).*against an fp32 run"):
+        _step(model, batch)
+    (check,) = model._loracc.regions[0].verifications
+    assert not check.passed
