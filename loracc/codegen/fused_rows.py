@@ -440,7 +440,7 @@ class RowKernel:
             torch.empty_strided(shape, stride, dtype=v.dtype, device=device)
             for shape, stride, v in zip(shapes, strides_out, self.output_vals)
         ]
-        if not self.wide_offsets and max(map(_span, [*inputs, *outputs]), default=0) >= 2**31:
+        if not self.wide_offsets and not all(map(_storage_in_int32, [*inputs, *outputs])):
             return self._wide(*inputs, out=outputs)
         strides = self._strides(inputs, outputs)
         grid = (max(1, -(-n_rows // self.block_r)),)
@@ -463,6 +463,12 @@ class RowKernel:
             strides += [_compat.hint(r) for r in self.group.rows] + [self.n_rows]
         return self.kernel(device).warmup(*args, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
                                           num_warps=self.num_warps, grid=(1,))
+
+
+def _storage_in_int32(t) -> bool:
+    """Whether every element offset into ``t``'s storage fits int32 (a bound on its span that costs
+    one call, not a sum over its dims)."""
+    return not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() < 2**31 * t.element_size()
 
 
 class _SymbolicSizes:
