@@ -6,9 +6,9 @@
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
-# steps: benchmarks/fused_rows.py's step variants (loracc without CUDA graphs, with "auto", with
+# steps: `python -m benchmarks fused-rows`'s step variants (loracc without CUDA graphs, with "auto", with
 #        every graph replayed) on both workloads. kernels: the fused kernels' bandwidth with and
-#        without launch cost. quick: python -m benchmarks step --quick. lora: benchmarks/lora_linear.py (one
+#        without launch cost. quick: python -m benchmarks step --quick. lora: python -m benchmarks lora-linear (one
 #        LoRA linear against the frozen GEMMs at the six ANCHORS shapes, ~1.5-3 minutes).
 # varlen, varlen-compile, varlen-dynamic, varlen-compile-packed: `python -m benchmarks step --varlen`
 #        (varying lengths on a Qwen2-0.5B-shaped model, padded and packed, with loracc's fixed-shape
@@ -51,12 +51,12 @@ for part in "${@:-tests}"; do
             PYTHONPATH=$PYTHONPATH${site:+:$site} timeout 300 python -m pytest -q --tb=short --show-capture=no "$f" 2>&1 | tail -25
         done | tee "$OUT/pytest.txt" ;;
     steps)
-        timeout 420 python benchmarks/fused_rows.py --part steps --workload qwen2-0.5b --workload llama-3.2-1b \
-            --variant loracc-nographs --variant loracc --variant loracc-graphs --out "$OUT" 2>&1 | grep -v Warn | tail -12 ;;
+        BENCH_GIT_COMMIT=$commit timeout 420 python -m benchmarks fused-rows --part steps --workload qwen2-0.5b --workload llama-3.2-1b \
+            --variant loracc-nographs --variant loracc --variant loracc-graphs --out "$OUT/fused-rows-steps.json" 2>&1 | grep -v Warn | tail -12 ;;
     kernels)
-        timeout 300 python benchmarks/fused_rows.py --part kernels --out "$OUT" 2>&1 | grep -v Warn | tail -40 ;;
+        BENCH_GIT_COMMIT=$commit timeout 300 python -m benchmarks fused-rows --part kernels --out "$OUT/fused-rows-kernels.json" 2>&1 | grep -v Warn | tail -40 ;;
     quick)
-        BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks step --quick --out "$OUT/bench-quick.json" \
+        BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks step --quick --out "$OUT/step-quick.json" \
             --report-dir "$OUT/report-quick" 2>&1 | grep -A30 "^summary" ;;
     varlen|varlen-compile|varlen-dynamic|varlen-compile-packed)
         what="--method peft-eager,peft-liger,unsloth,loracc"
@@ -66,7 +66,7 @@ for part in "${@:-tests}"; do
         BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step --varlen $what ${MAXLEN:+--max-len $MAXLEN} \
             --timeout 540 --deadline 570 --out "$OUT/$part.json" 2>&1 | grep -A40 "^summary" ;;
     lora)
-        timeout 330 python benchmarks/lora_linear.py --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
+        BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks lora-linear --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
     *)
         echo "unknown part $part: tests, steps, kernels, quick, varlen, varlen-compile, varlen-dynamic, varlen-compile-packed or lora"; exit 2 ;;
     esac

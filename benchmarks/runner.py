@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import REPO
-from benchmarks.workloads import COMPILING, NEEDS_CUDA, WORKLOADS, flops_per_token
+from benchmarks.workloads import COMPILING, NEEDS_CUDA, WORKLOADS, applies, flops_per_token
 
 FULL_WORKLOADS = ["qwen2-0.5b", "llama-3.2-1b", "llama-3-8b"]
 FULL_METHODS = ["peft-eager", "peft-hf-ckpt", "peft-liger", "loracc", "loracc-budget", "unsloth", "peft-compile",
@@ -258,6 +258,7 @@ H100_FIRST_STEP_S = {
 H100_WARM_FIRST_STEP_S = {"peft-compile": 14, "peft-compile-budget": 14, "peft-compile-layer": 10, "*": 3.5}
 H100_RECOMPILE_S = {"loracc": 10, "loracc-budget": 10, "loracc-8gb": 10, "*": 1}  # a sweep's next length
 ASSUMED_MFU, H100_TFLOPS = 0.15, 790
+GUESSED_FLOPS_PER_TOKEN = 20e9
 
 
 def estimate(jobs: list[Job]) -> float:
@@ -283,7 +284,8 @@ def estimate(jobs: list[Job]) -> float:
             total += sum(rows * n * flops_per_token(job.workload, n) for rows, n in steps) / (ASSUMED_MFU * H100_TFLOPS * 1e12)
             continue
         for i, seq in enumerate(job.seqs):
-            step_s = job.batch * seq * flops_per_token(job.workload, seq) / (ASSUMED_MFU * H100_TFLOPS * 1e12)
+            flops = flops_per_token(job.workload, seq) or GUESSED_FLOPS_PER_TOKEN  # MoE, diffusion: a guess
+            step_s = job.batch * seq * flops / (ASSUMED_MFU * H100_TFLOPS * 1e12)
             total += (job.warmup + job.steps) * step_s + (recompile if i else 0)
     return total
 
@@ -301,6 +303,8 @@ def run_jobs(jobs: list[Job], args, deadline: float, folder: Path, emit, prefetc
         job = jobs[index]
         if job.method in NEEDS_CUDA and not args.cuda and not args.try_without_gpu:
             return "needs a CUDA GPU"
+        if applies(job.method, job.workload):
+            return applies(job.method, job.workload)
         if missing_package(job.method):
             return f"{missing_package(job.method)} is not installed"
         if job.warm_of is not None and not ahead:

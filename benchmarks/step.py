@@ -66,9 +66,9 @@ from pathlib import Path
 
 START = time.perf_counter()  # a worker's import time is counted from here
 
-from benchmarks import harness, report, runner, varlen  # noqa: E402
+from benchmarks import diffusion, harness, report, runner, varlen  # noqa: E402
 from benchmarks.workloads import LEARNING_RATE, LORA_ALPHA, LORA_R, LORA_TARGETS, METHODS, SEED, WORKLOADS, \
-    build_model, flops_per_token, loracc_budget, make_optimizer, set_max_len  # noqa: E402
+    build_model, flops_per_token, kind, loracc_budget, make_optimizer, set_max_len  # noqa: E402
 
 
 class Progress:
@@ -212,8 +212,14 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     ``steps`` after the warm-up are timed with CUDA events (on a CPU, the wall clock)."""
     import torch
 
-    vocab = WORKLOADS[args.workload]["config"]["vocab_size"]
-    batch = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(SEED + 1)).to(device)
+    spec = WORKLOADS[args.workload]
+    if kind(args.workload) == "causal-lm":
+        ids = torch.randint(0, spec["config"]["vocab_size"], (args.batch, args.seq),
+                            generator=torch.Generator().manual_seed(SEED + 1)).to(device)
+        compute_loss = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    else:
+        step_inputs = diffusion.inputs(spec, args.batch, device, SEED + 1)
+        compute_loss = lambda: diffusion.loss(model, step_inputs)  # noqa: E731
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = getattr(peft_model, "_bench_optimizer", None)
     if optimizer is None:  # one optimizer for every length of a sweep: its state is part of the peak
@@ -221,7 +227,7 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     cuda = device == "cuda"
 
     def step():
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = compute_loss()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -262,6 +268,8 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     if times_ms:
         step_ms = statistics.median(times_ms)
         result.update(step_ms=step_ms, step_ms_all=times_ms, tokens_per_s=args.batch * args.seq / step_ms * 1e3)
+        if kind(args.workload) != "causal-lm":
+            result["images_per_s"] = args.batch / step_ms * 1e3
     return result
 
 
@@ -469,7 +477,7 @@ def main(argv=None) -> int:
                 row["flops_per_token"] = None if varying else flops_per_token(row["workload"], row["seq"])
                 rate = run["matmul_tflops"]
                 row["mfu"] = (row["flops_per_token"] * row["tokens_per_s"] / (rate * 1e12)
-                              if row.get("tokens_per_s") and rate and not varying else None)
+                              if row.get("tokens_per_s") and rate and row["flops_per_token"] else None)
             if new:
                 slots[index] = rows
                 results["records"].extend(rows)
@@ -525,4 +533,6 @@ def _line(r: dict) -> str:
                   + (f"{r['new_shape_host_ms_median']:.0f} median {new:.0f} max" if new is not None else "-"))
     else:
         timing = f"{r.get('step_ms', float('nan')):8.1f} ms {r.get('tokens_per_s', 0):9.0f} tok/s"
+        if r.get("images_per_s") is not None:
+            timing += f" {r['images_per_s']:.2f} images/s"
     return f"{head} {timing} peak {peak} MFU {mfu} {first} loss0 {r['losses'][0]:.4f}"

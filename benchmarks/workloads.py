@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import tempfile
 
+from benchmarks import diffusion
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 16, 32
 LEARNING_RATE = 1e-3  # large enough that the later losses depend on the gradients
@@ -21,6 +23,28 @@ QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+# Qwen3-30B-A3B's shapes (128 experts, 8 active, expert MLP 768) at 4 of its 48 layers; the router's
+# load-balancing loss in the loss (output_router_logits). LoRA on attention and on the experts' fused
+# weights (PEFT target_parameters).
+QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                 num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, norm_topk_prob=True,
+                 output_router_logits=True, router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[])
+TINY_MOE = dict(QWEN3_MOE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=256)
+MOE_LORA = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)
+
+
+def _diffusion(kind: str, config: dict, batch: int, image_side: int, text_tokens: int, dtype: str, targets) -> dict:
+    spec = dict(kind=kind, family=kind, batch=batch, dtype=dtype, config=config, image_side=image_side,
+                text_tokens=text_tokens, lora_targets=targets)
+    return dict(spec, seq=diffusion.positions(spec))
+
 
 # Varying lengths: log-normal, median ~400 tokens, sigma 1 (about 1% of draws reach the 4096 cap),
 # seeded; 60 padded steps of 8 sequences. The packed, fixed-mean and longest layouts use the same
@@ -35,11 +59,24 @@ WORKLOADS = {
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5)),
     # Llama-3-8B's shapes (Llama-3.1-8B has the same; only its rope scaling differs). In bf16 its
     # weights are 15 GiB; eager PEFT at 1 x 2048 peaks at about 36.5 GiB, so it fits an H100 80GB.
-    "llama-3-8b": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    "llama-3-8b": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=LLAMA_3_8B),
+    # The same with its frozen linears in NF4 with double quantization (loracc.quantize; QLoRA's
+    # format), LoRA adapters in bf16 beside them; lm_head stays bf16.
+    "llama-3-8b-nf4": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="nf4"),
+    "qwen3-moe": dict(family="qwen3_moe", batch=2, seq=2048, dtype="bfloat16", config=QWEN3_MOE, lora=MOE_LORA),
+    # Diffusion (benchmarks/diffusion.py): SDXL's UNet at 1024x1024 (batch 1; --batch 4 for the
+    # budget target) and FLUX.1-dev's transformer (4096 image + 512 text tokens), full depth and
+    # at 3 double + 6 single blocks.
+    "sdxl-unet": _diffusion("unet", diffusion.SDXL_UNET, 1, 1024, 77, "bfloat16", diffusion.ATTENTION),
+    "flux-dev": _diffusion("flux", diffusion.FLUX_DEV, 1, 1024, 512, "bfloat16", diffusion.JOINT_ATTENTION),
+    "flux-dev-small": _diffusion("flux", dict(diffusion.FLUX_DEV, num_layers=3, num_single_layers=6), 1, 1024, 512,
+                                 "bfloat16", diffusion.JOINT_ATTENTION),
     # A CPU smoke workload: exercises every stage in seconds; fp32 so parity is exact.
     "tiny": dict(family="llama", batch=2, seq=32, dtype="float32", config=TINY),
+    "tiny-nf4": dict(family="llama", batch=2, seq=32, dtype="float32", config=TINY, quant="nf4"),
+    "tiny-moe": dict(family="qwen3_moe", batch=2, seq=32, dtype="float32", config=TINY_MOE, lora=MOE_LORA),
+    "tiny-unet": _diffusion("unet", diffusion.TINY_UNET, 2, 64, 7, "float32", diffusion.ATTENTION),
+    "tiny-flux": _diffusion("flux", diffusion.TINY_FLUX, 2, 96, 7, "float32", diffusion.JOINT_ATTENTION),
     # Varying lengths (benchmarks/varlen.py): ``batch`` is rows per step, ``seq`` the packed row length.
     **{f"{name}-{kind}": dict(family=family, batch=batch, seq=varlen["max"], dtype=dtype, config=config,
                               varlen=dict(varlen, layout=layout))
@@ -74,6 +111,25 @@ COMPILING = {"peft-compile", "peft-compile-dynamic", "peft-compile-layer", "peft
              "unsloth-nocompile"}
 
 
+DIFFUSION_METHODS = {"peft-eager", "peft-hf-ckpt", "peft-compile", "loracc", "loracc-budget", "loracc-8gb",
+                     "loracc-graphs", "loracc-nographs"}
+
+
+def kind(workload: str) -> str:
+    """'causal-lm', or the diffusion model's kind ('unet', 'flux')."""
+    return WORKLOADS[workload].get("kind", "causal-lm")
+
+
+def applies(method: str, workload: str) -> str | None:
+    """Why ``method`` cannot run ``workload`` (a row says so), or None."""
+    spec = WORKLOADS[workload]
+    if kind(workload) != "causal-lm" and method not in DIFFUSION_METHODS:
+        return f"{method} applies to causal language models only (choose from {', '.join(sorted(DIFFUSION_METHODS))})"
+    if method.startswith("unsloth") and (spec.get("quant") or spec["family"] not in ("llama", "qwen2")):
+        return "the benchmark loads Llama and Qwen2 bf16 bases into Unsloth only"
+    return None
+
+
 def set_max_len(max_len: int) -> None:
     """Clip every varying-length workload's lengths (and its packed rows) to ``max_len`` tokens, in
     this process: ``python -m benchmarks step --max-len`` calls it in the orchestrator and in each
@@ -87,7 +143,7 @@ def set_max_len(max_len: int) -> None:
             spec["seq"] = min(spec["seq"], max_len)
 
 
-def flops_per_token(workload: str, seq: int) -> float:
+def flops_per_token(workload: str, seq: int) -> float | None:
     """Useful FLOPs of one training token, as ANCHORS.md counts them.
 
     4·P  +  6·L·s·d  +  6·L·r·Σ(in+out)  where
@@ -97,6 +153,8 @@ def flops_per_token(workload: str, seq: int) -> float:
          and a backward of twice the forward), d = heads·head_dim, s the sequence length;
       6·r·(in+out) per LoRA linear: x@Aᵀ, u@Bᵀ forward; dB, du, dA, dx backward.
     """
+    if WORKLOADS[workload]["family"] not in ("llama", "qwen2"):
+        return None  # counted for dense decoders only (no MoE routing, no diffusion model): no MFU
     c = WORKLOADS[workload]["config"]
     h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     head_dim = c.get("head_dim") or h // c["num_attention_heads"]
@@ -119,7 +177,8 @@ def make_base(workload: str, device):
     import transformers
 
     spec = WORKLOADS[workload]
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["family"]]
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "qwen3_moe": transformers.Qwen3MoeConfig}[spec["family"]]
     torch.manual_seed(SEED)
     with torch.device(device):
         return transformers.AutoModelForCausalLM.from_config(
@@ -138,6 +197,16 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
     from peft import LoraConfig, get_peft_model
 
     spec = WORKLOADS[workload]
+    why_not = applies(method, workload)
+    if why_not:
+        raise ValueError(f"{method} on {workload}: {why_not}")
+    if kind(workload) != "causal-lm":
+        model = diffusion.build(spec, device, SEED, LORA_R)
+        if method == "peft-hf-ckpt":
+            model.enable_gradient_checkpointing()
+        if method == "peft-compile":
+            return torch.compile(model, dynamic=dynamic or None), model, ""
+        return model, model, ""
     if method == "peft-liger":
         import liger_kernel.transformers as liger
         getattr(liger, f"apply_liger_kernel_to_{spec['family']}")()
@@ -147,10 +216,15 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
         return _unsloth_model(base, max_seq or spec["seq"], device)
     if method == "peft-hf-ckpt":
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                      task_type="CAUSAL_LM")
+    targets = spec.get("lora", {"target_modules": LORA_TARGETS})
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
     model = get_peft_model(base, lora)
     model.train()
+    if spec.get("quant"):
+        import loracc
+
+        progress("quantize")
+        loracc.quantize(model, spec["quant"], double_quant=True)
     dynamic = dynamic or method == "peft-compile-dynamic"
     shapes = ", dynamic=True (one graph for every sequence length)" if dynamic else ""
     if method in ("peft-compile", "peft-compile-dynamic"):

@@ -231,7 +231,8 @@ def test_timeout_names_the_stage_and_keeps_a_stack_dump(tmp_path, monkeypatch):
     assert "bench stage:" in row["output_tail"]
     # faulthandler's dump of the main thread, innermost frame first: where the worker was stuck.
     frames = [line for line in row["stack_dump"].splitlines() if "File" in line]
-    assert "in __call__" in frames[0] and "in train" in frames[2] and "in <module>" in frames[-1], frames
+    assert "in __call__" in frames[0] and "in train" in frames[2], frames
+    assert any("in worker_main" in f for f in frames) and "runpy" in frames[-1], frames  # python -m benchmarks
 
 
 def test_sweep_keeps_the_lengths_it_measured_when_it_times_out(tmp_path, monkeypatch):
@@ -247,9 +248,8 @@ def test_worker_failures_become_rows_and_deadline_skips(tmp_path, monkeypatch):
     rows = _run([_job("no-such-method"), _job("unsloth", warmup=1)], _args(try_without_gpu=True), tmp_path)
     assert rows[0]["status"] == "error" and "exited with code 2 at start" in rows[0]["error"]
     assert "invalid choice" in rows[0]["output_tail"]
-    # Unsloth is not installed here: its row says so, and at which stage, quickly.
-    assert rows[1]["status"] == "error" and rows[1]["error"].startswith("at unsloth import: ModuleNotFoundError"), rows[1]
-    assert "unsloth" in rows[1]["error"] and "Traceback" in rows[1]["output_tail"] and rows[1]["wall_s"] < 120
+    # Unsloth is not installed here: its row says so, without starting a worker.
+    assert rows[1]["status"] == "skipped" and rows[1]["error"] == "unsloth is not installed", rows[1]
     rows = _run([_job(), _job("peft-liger")], _args(), tmp_path / "b", deadline=0.0)
     assert rows[0]["status"] == "skipped" and "deadline" in rows[0]["error"]
     assert rows[1]["status"] == "skipped" and rows[1]["error"] == "needs a CUDA GPU"
@@ -584,3 +584,55 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
         readme_table.table_text(cpu_only)
     assert readme_table.main(["--readme", str(path), "--run", str(cpu_only / "2026-01-05-cpu-ddddddd")]) == 0
     assert "| qwen2-0.5b 8×1024 | loracc |" in path.read_text() and path.read_text().endswith("after\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads of the other issues: MoE, NF4 base, diffusion (tiny shapes of the same builders)
+# ---------------------------------------------------------------------------------------------
+
+def _train_in_process(workload: str, method: str) -> dict:
+    spec = workloads.WORKLOADS[workload]
+    args = argparse.Namespace(method=method, workload=workload, batch=spec["batch"], seqs=[spec["seq"]], steps=2,
+                              warmup=1, loracc_budget="0.1", dynamic=False, record_file=None)
+    [row] = step.run_worker(args)
+    assert row["status"] == "ok", row
+    return row
+
+
+@pytest.mark.parametrize("workload", [
+    "tiny-nf4", "tiny-unet", "tiny-flux",
+    pytest.param("tiny-moe", marks=pytest.mark.xfail(strict=True, reason=(
+        "loracc drops Qwen3-MoE's router load-balancing loss (output_router_logits): its step-0 loss is eager's "
+        "without the aux term; a loracc bug to fix (issue 20), not the benchmark's"))),
+])
+def test_other_workloads_train_and_match_eager(workload):
+    eager, compiled = _train_in_process(workload, "peft-eager"), _train_in_process(workload, "loracc")
+    assert len(eager["losses"]) == 3 and eager["losses"][-1] < eager["losses"][0]
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    if workloads.kind(workload) != "causal-lm":
+        assert compiled["images_per_s"] == pytest.approx(workloads.WORKLOADS[workload]["batch"] / compiled["step_ms"] * 1e3)
+    assert "fallbacks to eager: none" in compiled["notes"], compiled["notes"]
+
+
+def test_real_shapes_of_the_other_workloads():
+    """The GPU workloads are the public configs' shapes: built on the meta device, counted."""
+    import torch
+
+    def count(model):
+        return sum(p.numel() for p in model.parameters())
+
+    moe = workloads.make_base("qwen3-moe", "meta")
+    assert count(moe) == pytest.approx(2 * 151936 * 2048 + 4 * (128 * 3 * 2048 * 768 + 2048 * (32 + 2 * 4) * 128
+                                                                 + 32 * 128 * 2048 + 128 * 2048), rel=1e-3)
+    assert workloads.applies("peft-liger", "sdxl-unet") and workloads.applies("unsloth", "llama-3-8b-nf4")
+    assert workloads.applies("loracc", "flux-dev") is None and workloads.flops_per_token("qwen3-moe", 2048) is None
+    assert workloads.WORKLOADS["sdxl-unet"]["seq"] == 128 * 128 and workloads.WORKLOADS["flux-dev"]["seq"] == 4096 + 512
+    from benchmarks import diffusion
+
+    import diffusers
+
+    with torch.device("meta"):
+        unet = diffusers.UNet2DConditionModel(**diffusion.SDXL_UNET)
+        flux = diffusers.FluxTransformer2DModel(**diffusion.FLUX_DEV)
+    assert count(unet) == pytest.approx(2.567e9, rel=5e-3)  # SDXL base's UNet: 2.57B parameters
+    assert count(flux) == pytest.approx(11.9e9, rel=1e-2)  # FLUX.1-dev: 12B parameters
