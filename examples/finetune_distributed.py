@@ -10,7 +10,8 @@ global batch. ``--engine`` picks how the ranks share the work:
   (the frozen base sharded; bf16 compute with fp32 reduction when the model is bf16);
 - ``flat``: no wrapper: ``loracc.FusedAdamW`` and one all-reduce per flat gradient buffer after the
   backward (``loracc.distributed.all_reduce_gradients``);
-- ``trainer``: Hugging Face ``Trainer`` (DDP, or FSDP2 with ``--fsdp``) on the compiled model.
+- ``trainer``, ``sft``: Hugging Face ``Trainer`` or TRL's ``SFTTrainer`` (DDP, or FSDP2 with
+  ``--fsdp``) on the compiled model.
 
 ``--method`` picks what runs the model: ``loracc`` (the default), ``eager`` (PEFT as it is) or
 ``torch.compile`` (PEFT with each decoder layer ``torch.compile``-d), the baselines. Rank 0 prints the
@@ -59,7 +60,7 @@ PRESETS = {
     "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                         num_key_value_heads=8, vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5),
 }
-ENGINES = ("ddp", "fsdp2", "flat", "trainer")
+ENGINES = ("ddp", "fsdp2", "flat", "trainer", "sft")
 METHODS = ("loracc", "eager", "torch.compile")
 
 
@@ -69,7 +70,7 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the tiny preset in float32, 4×64 tokens per rank, 4 steps")
     parser.add_argument("--cpu", action="store_true", help="CPU processes over gloo (default: one GPU per process, NCCL)")
     parser.add_argument("--engine", choices=ENGINES, default="ddp")
-    parser.add_argument("--fsdp", action="store_true", help="with --engine trainer: FSDP2 (fsdp_config version 2), not DDP")
+    parser.add_argument("--fsdp", action="store_true", help="with --engine trainer or sft: FSDP2 (fsdp_config version 2), not DDP")
     parser.add_argument("--meta-init", action="store_true",
                         help="with --engine fsdp2: build the model on the meta device and give each rank only its shards "
                              "(random, but other numbers than a model built whole): for models one device cannot hold")
@@ -94,8 +95,8 @@ def parse_args(argv=None):
     args.lr = args.lr or 2e-4
     args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     args.batch_size, args.seq_len, args.steps = args.batch_size or 4, args.seq_len or 2048, args.steps or 20
-    if args.fsdp and args.engine != "trainer":
-        parser.error("--fsdp goes with --engine trainer; for a plain loop use --engine fsdp2")
+    if args.fsdp and args.engine not in ("trainer", "sft"):
+        parser.error("--fsdp goes with --engine trainer or sft; for a plain loop use --engine fsdp2")
     if args.fsdp and args.cpu:  # accelerate would run DDP instead, saying nothing
         parser.error("--fsdp: accelerate (under Trainer) shards with FSDP on GPUs only; on the CPU use "
                      "--engine fsdp2 (a plain loop) or leave --fsdp out (Trainer with DDP)")
@@ -122,7 +123,7 @@ def setup(args) -> torch.device:
         count = torch.cuda.device_count()
         device, backend = torch.device("cuda", local % count), "nccl" if local_world <= count else "gloo"
         torch.cuda.set_device(device)
-    if args.engine != "trainer":  # Trainer (accelerate) sets the process group up itself
+    if args.engine not in ("trainer", "sft"):  # Trainer (accelerate) sets the process group up itself
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10),
                                 device_id=device if backend == "nccl" else None)
     return device
@@ -277,48 +278,53 @@ def save(model, output_dir: str) -> None:
 
 
 def trainer(args, device) -> None:
-    """Hugging Face Trainer under torchrun: it sets up DDP (or FSDP2) itself around the compiled model."""
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self, rows):
-            self.rows = rows
-
-        def __len__(self):
-            return len(self.rows)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
+    """Hugging Face Trainer (or TRL's SFTTrainer) under torchrun: it sets up DDP (or FSDP2) itself
+    around the compiled model."""
     model = prepare(args, build(args, device))
-    extra = {}
+    rows = sequences(args.seq_len)
+    settings = dict(
+        output_dir=args.output_dir or "finetune_distributed_out", per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps, learning_rate=args.lr, logging_steps=1, save_strategy="no", seed=args.seed,
+        max_grad_norm=args.max_grad_norm, lr_scheduler_type="constant", weight_decay=0.01,  # as torch.optim.AdamW
+        use_cpu=args.cpu, bf16=args.dtype == "bfloat16", report_to=[], disable_tqdm=True,
+        ddp_backend="gloo" if args.cpu else None, ddp_find_unused_parameters=False,
+    )
     if args.fsdp:
-        extra = dict(fsdp="full_shard auto_wrap", fsdp_config={
+        settings.update(fsdp="full_shard auto_wrap", fsdp_config={
             "version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True})
-    settings = training_arguments(args, extra)
-    run = transformers.Trainer(model=model, args=settings, train_dataset=Rows(sequences(args.seq_len)))
+    if args.engine == "sft":
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        config = SFTConfig(**settings, max_length=args.seq_len)
+        data = datasets.Dataset.from_dict({"input_ids": rows.tolist()})
+        run = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=byte_tokenizer())
+    else:
+        # loracc's patched forward hides the model's signature, so Trainer would drop input_ids as an unused column.
+        settings.update(remove_unused_columns=False)
+        data = [{"input_ids": row, "labels": row} for row in rows]
+        run = transformers.Trainer(model=model, args=transformers.TrainingArguments(**settings), train_dataset=data)
     result = run.train()
     if run.is_world_process_zero():
         logged = [entry for entry in run.state.log_history if "loss" in entry]
         for step, entry in enumerate(logged):
             print(f"step {step + 1}/{args.steps}: loss {entry['loss']:.6f}, grad norm {entry['grad_norm']:.6f}", flush=True)
         sharded = type(next(p for p in run.model_wrapped.parameters() if p.requires_grad)).__name__ == "DTensor"
-        print(f"trainer: {type(run.model_wrapped).__name__}, {'sharded (FSDP2)' if sharded else 'replicated'} parameters")
-        print(f"trainer: {result.global_step} steps, train loss {result.training_loss:.4f}, "
+        print(f"{args.engine}: {type(run.model_wrapped).__name__}, {'sharded (FSDP2)' if sharded else 'replicated'} "
+              f"parameters, {result.global_step} steps, train loss {result.training_loss:.4f}, "
               f"{result.metrics['train_samples_per_second'] * args.seq_len:,.0f} tokens/s in all")
     if args.output_dir:
         run.save_model(args.output_dir)
 
 
-def training_arguments(args, extra: dict) -> transformers.TrainingArguments:
-    return transformers.TrainingArguments(
-        output_dir=args.output_dir or "finetune_distributed_out", per_device_train_batch_size=args.batch_size,
-        max_steps=args.steps, learning_rate=args.lr, logging_steps=1, save_strategy="no", seed=args.seed,
-        max_grad_norm=args.max_grad_norm, lr_scheduler_type="constant", weight_decay=0.01,  # as torch.optim.AdamW
-        use_cpu=args.cpu, bf16=args.dtype == "bfloat16", report_to=[], disable_tqdm=True,
-        ddp_backend="gloo" if args.cpu else None, ddp_find_unused_parameters=False,
-        # loracc's patched forward hides the model's signature, so Trainer would drop input_ids as an unused column.
-        remove_unused_columns=False, **extra,
-    )
+def byte_tokenizer():
+    """A tokenizer whose tokens are the 256 byte values (the data is already token ids; SFTTrainer
+    reads its pad and end-of-sequence ids)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {chr(i): i for i in range(256)}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=chr(0))),
+                                                pad_token=chr(0), eos_token=chr(3))
 
 
 def main(argv=None):
@@ -327,7 +333,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecation notices between transformers and PEFT
     device = setup(args)
     try:
-        if args.engine == "trainer":
+        if args.engine in ("trainer", "sft"):
             trainer(args, device)
         else:
             train(args, device)
