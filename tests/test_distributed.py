@@ -537,9 +537,9 @@ def test_helpers_in_a_single_rank_group(tmp_path):
 # The example script under torchrun
 
 
-def torchrun(nproc: int, output_dir: Path, *args: str) -> tuple[list, dict]:
-    """Run examples/finetune_distributed.py (tiny preset, CPU, gloo) in ``nproc`` processes; the
-    ``(loss, grad norm)`` of each step that rank 0 printed, and the adapter it saved."""
+def torchrun(nproc: int, output_dir: Path, *args: str, cpu: bool = True) -> tuple[list, dict]:
+    """Run examples/finetune_distributed.py (tiny preset; CPU and gloo, or the GPU) in ``nproc``
+    processes; the ``(loss, grad norm)`` of each step that rank 0 printed, and the adapter it saved."""
     import re
     import subprocess
 
@@ -547,7 +547,7 @@ def torchrun(nproc: int, output_dir: Path, *args: str) -> tuple[list, dict]:
 
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={_free_port()}", str(ROOT / "examples" / "finetune_distributed.py"),
-               "--tiny", "--cpu", "--output-dir", str(output_dir), *args]
+               "--tiny", *(["--cpu"] if cpu else []), "--output-dir", str(output_dir), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -574,3 +574,14 @@ def test_example_two_processes_equal_one(engine, one_process, tmp_path):
         assert abs(got[0] - ref[0]) <= TOL * ref[0] and abs(got[1] - ref[1]) <= 1e-5 + TOL * ref[1], (step, steps, reference_steps)
     assert adapter.keys() == reference_adapter.keys() and all("lora_" in k for k in adapter)
     assert worst(adapter, reference_adapter) <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_example_on_one_gpu(engine, tmp_path):
+    """The CUDA path on one GPU: world size 1 over NCCL, and 2 ranks sharing the GPU over gloo, give
+    the same steps (Triton kernels, fp32)."""
+    one, _ = torchrun(1, tmp_path / "one", "--engine", "ddp", "--batch-size", "8", cpu=False)
+    two, _ = torchrun(2, tmp_path / "two", "--engine", engine, "--batch-size", "4", cpu=False)
+    for step, (got, ref) in enumerate(zip(two, one)):
+        assert abs(got[0] - ref[0]) <= TOL * ref[0] and abs(got[1] - ref[1]) <= 1e-4 * ref[1], (step, two, one)
