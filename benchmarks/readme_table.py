@@ -4,10 +4,9 @@
     python -m benchmarks readme --out table.md   # into a file ('-': stdout)
     python -m benchmarks readme --run benchmarks/results/<run>/   # from that run, whatever its device
 
-The fixed-shape table comes from the latest run folder (``benchmarks/results/<date>-<device>-<commit>/``)
-whose step records have fixed-shape rows, measured on a GPU; the varying-length table from the latest
-such folder with varying-length rows. Each table names its run (date, device, versions, commit) and
-links its full report. In README.md only the text between ``<!-- results-table -->`` and
+Each workload's rows come from the latest run folder (``benchmarks/results/<date>-<device>-<commit>/``)
+that measured it on a GPU (fixed shapes and varying lengths in a table each); every run used is
+listed with its device, date, commit, versions and command, and linked. In README.md only the text between ``<!-- results-table -->`` and
 ``<!-- /results-table -->`` is replaced; without those markers nothing is written.
 """
 from __future__ import annotations
@@ -23,88 +22,94 @@ README = harness.REPO / "README.md"
 SHOWN_VERSIONS = ["torch", "triton", "transformers", "peft"]
 
 
-def step_records(folder: Path) -> tuple[dict | None, list[dict]]:
-    """(the provenance of the folder's latest step file, every step record of the folder)."""
-    run, records = None, []
+def step_records(folder: Path) -> list[tuple[dict, dict]]:
+    """(provenance of its file, record) for every step record of the folder."""
+    found = []
     for path in report.run_files(folder):
         data = report.load(path)
-        if not report.is_step(data["records"]):
-            continue
-        if run is None or str(data["run"].get("date")) > str(run.get("date")):
-            run = data["run"]
-        records += data["records"]
-    return run, records
+        if report.is_step(data["records"]):
+            found += [(data["run"], r) for r in data["records"]]
+    return found
 
 
-def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = None):
-    """(folder, run, records of ``suite``) of ``folder`` or of the latest GPU run that has them; None if none."""
-    folders = [folder] if folder else sorted((p for p in results.iterdir() if p.is_dir()), reverse=True)
-    candidates = []
+def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = None) -> dict[str, tuple]:
+    """For each workload of ``suite``: (folder, the run's provenance, its rows) from the latest GPU run
+    that measured it (or from ``folder`` alone, whatever its device)."""
+    folders = [folder] if folder else [p for p in results.iterdir() if p.is_dir()]
+    found: dict[str, tuple] = {}
     for f in folders:
-        run, records = step_records(f)
-        rows = [r for r in records if r.get("suite", "main") == suite]
-        if run is None or not rows or (folder is None and str(run.get("device", "")).startswith("CPU")):
-            continue
-        candidates.append((str(run.get("date")), f, run, rows))
-    if not candidates:
-        return None
-    _, f, run, rows = max(candidates, key=lambda c: c[0])
-    return f, run, rows
+        for run, r in step_records(f):
+            if r.get("suite", "main") != suite or (folder is None and str(run.get("device", "")).startswith("CPU")):
+                continue
+            date = str(run.get("date"))
+            if r["workload"] not in found or found[r["workload"]][0] < date:
+                found[r["workload"]] = (date, f, run, [])
+            if found[r["workload"]][2] is run:
+                found[r["workload"]][3].append(r)
+    return {w: (f, run, rows) for w, (_, f, run, rows) in found.items()}
+
+
+def _link(folder: Path) -> str:
+    return str(folder.relative_to(harness.REPO) if folder.is_relative_to(harness.REPO) else folder)
 
 
 def run_line(folder: Path, run: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items() if v and k in SHOWN_VERSIONS)
     commit = (run.get("git_commit") or "unknown")[:7]
-    link = folder.relative_to(harness.REPO) if folder.is_relative_to(harness.REPO) else folder
-    return (f"{run.get('device')}, {str(run.get('date'))[:10]}, commit {commit}; {versions}. "
-            f"Command: `{run.get('command')}`; full report and records: [{link}/]({link}/).")
+    return (f"[{folder.name}]({_link(folder)}/): {run.get('device')}, {str(run.get('date'))[:10]}, commit {commit}; "
+            f"{versions}; `{run.get('command')}`")
 
 
-def fixed_table(rows: list[dict]) -> list[str]:
-    lines = ["| workload | method | tokens/s | vs eager PEFT | peak GiB | first step s (cold) |",
-             "|---|---|---|---|---|---|"]
-    for (workload, batch, seq), group in report._group(rows, "main").items():
-        eager = next((r for r in group if r["method"] == report.REFERENCE and r.get("status") == "ok"), None)
-        for r in group:
-            if r.get("status") != "ok":
-                lines.append(f"| {workload} {batch}×{seq} | {r['method']} | {r.get('status')} | | | |")
-                continue
-            vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
-            lines.append(f"| {workload} {batch}×{seq} | {r['method']} | {r['tokens_per_s']:,.0f} | {vs} | "
-                         f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | "
-                         f"{report._num(r.get('first_step_s'), '.1f')} |")
+def fixed_table(latest_rows: dict[str, tuple]) -> list[str]:
+    lines = ["| workload | method | tokens/s | vs eager PEFT | peak GiB | first step s (cold) | run |",
+             "|---|---|---|---|---|---|---|"]
+    for workload, (folder, _, rows) in latest_rows.items():
+        for (_, batch, seq), group in report._group(rows, "main").items():
+            eager = next((r for r in group if r["method"] == report.REFERENCE and r.get("status") == "ok"), None)
+            for r in group:
+                name = f"{workload} {batch}×{seq}"
+                if r.get("status") != "ok":
+                    lines.append(f"| {name} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
+                    continue
+                vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
+                rate = f"{r['tokens_per_s']:,.0f}" + (f" ({r['images_per_s']:.2f} images/s)" if r.get("images_per_s") else "")
+                lines.append(f"| {name} | {r['method']} | {rate} | {vs} | "
+                             f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | "
+                             f"{report._num(r.get('first_step_s'), '.1f')} | {folder.name} |")
     return lines
 
 
-def varlen_table(rows: list[dict]) -> list[str]:
-    lines = ["| workload | method | real tokens/s, whole run | vs eager PEFT | run s (compiles included) | peak GiB |",
-             "|---|---|---|---|---|---|"]
-    eager = {r["workload"]: r for r in rows if r["method"] == report.REFERENCE and r.get("status") == "ok"}
-    for r in rows:
-        if r.get("status") != "ok":
-            lines.append(f"| {r['workload']} | {r['method']} | {r.get('status')} | | | |")
-            continue
-        ref = eager.get(r["workload"])
-        vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}×" if ref else "—"
-        lines.append(f"| {r['workload']} | {r['method']} | {r['tokens_per_s']:,.0f} | {vs} | {r['wall_s_run']:.1f} | "
-                     f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} |")
+def varlen_table(latest_rows: dict[str, tuple]) -> list[str]:
+    lines = ["| workload | method | real tokens/s, whole run | vs eager PEFT | run s (compiles included) | peak GiB | run |",
+             "|---|---|---|---|---|---|---|"]
+    for workload, (folder, _, rows) in latest_rows.items():
+        eager = next((r for r in rows if r["method"] == report.REFERENCE and r.get("status") == "ok"), None)
+        for r in rows:
+            if r.get("status") != "ok":
+                lines.append(f"| {workload} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
+                continue
+            vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
+            lines.append(f"| {workload} | {r['method']} | {r['tokens_per_s']:,.0f} | {vs} | {r['wall_s_run']:.1f} | "
+                         f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | {folder.name} |")
     return lines
 
 
 def table_text(results: Path = harness.RESULTS, folder: Path | None = None) -> str:
     """The generated Markdown; raises LookupError when no run has step records to show."""
-    parts = []
-    fixed = latest("main", results, folder)
+    fixed, varying = latest("main", results, folder), latest("varlen", results, folder)
+    if not fixed and not varying:
+        raise LookupError(f"no step records measured on a GPU in {folder or results}: run `python -m benchmarks step` "
+                          "on a GPU first, or name a run with --run")
+    runs = {id(run): (f, run) for f, run, _ in [*fixed.values(), *varying.values()]}
+    parts = ["<!-- generated by `python -m benchmarks readme`: regenerate rather than edit -->",
+             "Each workload's rows come from the latest run that measured it:", ""]
+    parts += [f"- {run_line(f, run)}" for f, run in sorted(runs.values(), key=lambda fr: str(fr[1].get("date")), reverse=True)]
     if fixed:
-        parts += ["Fixed shapes: " + run_line(fixed[0], fixed[1]), ""] + fixed_table(fixed[2]) + [""]
-    varying = latest("varlen", results, folder)
+        parts += ["", "Fixed shapes:", ""] + fixed_table(fixed)
     if varying:
-        parts += ["Varying lengths: " + run_line(varying[0], varying[1]), ""] + varlen_table(varying[2]) + [""]
-    if not parts:
-        where = folder or results
-        raise LookupError(f"no step records measured on a GPU in {where}: run `python -m benchmarks step` on a GPU "
-                          "first, or name a run with --run")
-    return "\n".join(["<!-- generated by `python -m benchmarks readme`: regenerate rather than edit -->", *parts])
+        parts += ["", "Varying lengths (padded and packed; real tokens over the whole run, compilations included):", ""]
+        parts += varlen_table(varying)
+    return "\n".join(parts) + "\n"
 
 
 def replace_between_markers(text: str, table: str, name: str = "README.md") -> str:

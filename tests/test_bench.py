@@ -566,10 +566,10 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     _step_run(results / "2026-01-05-cpu-ddddddd", "2026-01-05T10:00:00+00:00", "CPU (x, 2 cores)",
               [_record("loracc", [1.0], tokens=5.0)])
     table = readme_table.table_text(results)
-    assert "Fixed shapes: GPU X, 2026-01-01, commit abcdef0; torch 2.11.0." in table
-    assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 |" in table
-    assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table
-    assert "Varying lengths: GPU X, 2026-01-03" in table and "| qwen2-0.5b-varlen | loracc | 900 | — | 12.0 | 1.00 |" in table
+    assert "- [2026-01-01-h100-aaaaaaa](" in table and "GPU X, 2026-01-01, commit abcdef0; torch 2.11.0;" in table
+    assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 | 2026-01-01-h100-aaaaaaa |" in table
+    assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table and "cpu" not in table
+    assert "| qwen2-0.5b-varlen | loracc | 900 | — | 12.0 | 1.00 | 2026-01-03-h100-ccccccc |" in table
     readme = "# x\n\nbefore\n<!-- results-table -->\nold table\n<!-- /results-table -->\nafter\n"
     out = readme_table.replace_between_markers(readme, table)
     assert out.startswith("# x\n\nbefore\n<!-- results-table -->\n<!-- generated") and out.endswith(
