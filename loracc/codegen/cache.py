@@ -66,7 +66,10 @@ def cache_folder(name: str) -> Path:
 
 
 def _not_private(stat: os.stat_result) -> str | None:
-    """Why a file or folder with ``stat`` is not the user's alone, or None."""
+    """Why a file or folder with ``stat`` is not the user's alone, or None (also where the system
+    has no user ids: Windows)."""
+    if not hasattr(os, "getuid"):
+        return None
     if stat.st_uid != os.getuid():
         return f"belongs to user id {stat.st_uid}, not to you (user id {os.getuid()})"
     if stat.st_mode & 0o022:
