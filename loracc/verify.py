@@ -229,7 +229,11 @@ def _judge_against_fp32(result: Verification, compared: list, eager_forward, sig
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its strides (a call's key includes its tensors' layout), differentiable."""
+    """A copy of ``t`` with its strides (a call's key includes its tensors' layout), differentiable;
+    an expanded tensor (a broadcast mask: stride 0) stays expanded."""
+    expanded = [d for d, (size, stride) in enumerate(zip(t.shape, t.stride())) if stride == 0 and size > 1]
+    if expanded:
+        return _copy(t[tuple(slice(0, 1) if d in expanded else slice(None) for d in range(t.dim()))]).expand(t.shape)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 

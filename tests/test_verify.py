@@ -212,3 +212,18 @@ def test_a_sign_flip_in_bf16_is_caught_against_fp32_too(monkeypatch):
         _step(model, batch)
     (check,) = model._loracc.regions[0].verifications
     assert not check.passed
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 9, 5)[:, :7],  # a slice: not contiguous
+    lambda: torch.randn(2, 1, 1, 7).expand(2, 1, 7, 7),  # a broadcast mask: stride 0
+    lambda: torch.randn(3, 5).t(),
+])
+def test_the_verification_runs_copy_a_calls_tensors_with_their_layout(make):
+    t = make()
+    copied = verify._copy(t)
+    assert copied.stride() == t.stride() and copied.shape == t.shape and torch.equal(copied, t)
+    assert copied.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    leaf = t.detach().clone().requires_grad_(True)
+    verify._copy(leaf).sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(leaf))
