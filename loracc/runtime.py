@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -101,7 +102,9 @@ class Region:
     verify: bool = False  # check each program's first call against eager (loracc.verify)
     verifications: list = field(default_factory=list)  # verify.Verification, one per program checked
     mismatch: str | None = None  # set when a program differed from eager: the region runs eagerly
-    _verified: dict = field(default_factory=dict)  # id → program, for the programs checked
+    # id → program, for the programs checked; weak: a program the region drops (a static one that a
+    # symbolic one replaced) is freed, and its id, if reused, names a program not yet checked
+    _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
 
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
