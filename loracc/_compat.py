@@ -89,8 +89,19 @@ def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
 
 def guards_hold(shape_env, fakes: list, tensors: list) -> bool:
     """Whether every guard the shape environment recorded (while tracing and planning the graphs
-    made from ``fakes``) holds for the sizes of ``tensors``."""
-    return shape_env.evaluate_guards_for_args(fakes, tensors, ignore_static=False)
+    made from ``fakes``) holds for the sizes of ``tensors``, static sizes included. The guards'
+    Python expression is generated and compiled once per set of guards (generating it takes far
+    longer than evaluating it)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    cached = getattr(shape_env, "_loracc_guards", None)
+    if cached is None or cached[0] != len(shape_env.guards):
+        code = shape_env.produce_guards_expression(fakes, ignore_static=False)
+        cached = (len(shape_env.guards), compile(code, "<loracc guards>", "eval") if code else None)
+        shape_env._loracc_guards = cached
+    if cached[1] is None:
+        return True
+    return bool(eval(cached[1], SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(tensors)}}))
 
 
 def hint(size) -> int:
