@@ -227,3 +227,24 @@ def test_the_verification_runs_copy_a_calls_tensors_with_their_layout(make):
     leaf = t.detach().clone().requires_grad_(True)
     verify._copy(leaf).sum().backward()
     assert torch.equal(leaf.grad, torch.ones_like(leaf))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend's kernels and CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_programs_on_the_gpu_pass_and_train_as_eager(dtype):
+    """The Triton kernels (CUDA graphs decided at later calls) verified against eager, then several
+    steps: no warning, every check passed, the gradients of the steps as eager's."""
+    model, batch = _model("llama", dropout=0.1, seq=77)
+    model = model.to("cuda", dtype)
+    batch = {k: v.to("cuda") for k, v in batch.items()}
+    reference = copy.deepcopy(model)
+    loracc.compile(model, verify=True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (1, 2, 3, 4):
+            _assert_same(_step(model, batch, seed), _step(reference, batch, seed), tol=tol)
+    assert _loracc_warnings(caught) == []
+    checks = [v for r in model._loracc.regions for v in r.verifications]
+    assert len(checks) == 3 and all(c.passed for c in checks), [c.describe() for c in checks]
+    assert model._loracc.backend.used == {"triton": None}
