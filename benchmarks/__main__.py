@@ -7,7 +7,7 @@ import sys
 # name: (module, what it measures). A new subcommand: a module with main(argv) -> int, and a line here.
 SUBCOMMANDS = {
     "step": ("step", "training steps: loracc against eager PEFT, torch.compile, Liger, Unsloth (fixed "
-                     "lengths, sweep, varying lengths)"),
+                     "lengths, sweep, varying lengths; dense, MoE, NF4-base and diffusion models)"),
     "fused-rows": ("fused_rows", "the fused pointwise/reduction kernels' bandwidth, and the step with and without them"),
     "lora-linear": ("lora_linear", "one LoRA linear, forward + backward, against the frozen GEMMs and PEFT"),
     "lora-linear-profile": ("lora_linear_profile", "GPU time of each kernel of one LoRA linear"),

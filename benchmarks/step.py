@@ -9,6 +9,10 @@ losses of every step are recorded so that a fast but wrong method shows.
     python -m benchmarks step --varlen         # varying lengths, padded and packed (Qwen2-0.5B-shaped)
     python -m benchmarks step --workload llama-3-8b --method peft-eager,loracc   # the 8B shape, batch 1 x 2048
     python -m benchmarks step                  # the full run: every method on every workload, warm first steps
+    python -m benchmarks step --varlen --max-len 1024     # the same with lengths clipped at 1024
+    python -m benchmarks step --workload qwen3-moe        # Qwen3-30B-A3B-shaped MoE, 4 layers
+    python -m benchmarks step --workload llama-3-8b-nf4   # the 8B shape over an NF4 base (loracc.quantize)
+    python -m benchmarks step --workload sdxl-unet,flux-dev-small --method peft-eager,loracc   # images/s
     python -m benchmarks step --tiny [--sweep | --varlen]   # CPU smoke run of the whole pipeline
 
 Processes. Every (method, workload) runs in a worker process of its own, so that its peak memory and
@@ -36,9 +40,16 @@ out of memory ends the method's sweep (longer ones are marked not run). ``report
 the measured peaks the longest sequence that fits in 8 GiB and in 24 GiB.
 
 Varying lengths (--varlen): the workloads ``qwen2-0.5b-varlen`` (padded) and ``qwen2-0.5b-packed``
-(``benchmarks/varlen.py`` draws and lays out the lengths); each worker trains every step once, and
-its record has the whole run's wall time (compilations included), real tokens/s, the padding's
-share and the distinct shapes instead of a median step.
+with every method, then ``qwen2-0.5b-fixed-mean`` and ``qwen2-0.5b-longest`` (loracc alone, fixed
+shapes of the same data) (``benchmarks/varlen.py`` draws and lays out the lengths); each worker trains
+every step once, and its record has the whole run's wall time (compilations included), real tokens/s,
+each step's host and device time, the host time of new shapes, the padding's share and the distinct
+shapes instead of a median step; the summary checks the varying-length targets.
+
+Other models: ``qwen3-moe`` (router, experts and their LoRA), ``llama-3-8b-nf4`` (frozen base in NF4),
+``sdxl-unet``, ``flux-dev`` and ``flux-dev-small`` (``benchmarks/diffusion.py``; images/s besides
+tokens/s, where a token is a latent position). A method that does not apply to a workload (Liger or
+Unsloth on a diffusion model) is a skipped row that says why.
 
 Results go to ``--out`` in the harness's record schema (``{"run": provenance, "records": [...]}``,
 one record per method, workload and length); ``python -m benchmarks report`` turns them into tables
