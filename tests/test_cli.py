@@ -1,9 +1,10 @@
-"""The loracc command: dump and explain, on presets, a local Hugging Face directory and module:function."""
+"""The loracc command: dump, explain and check, on presets, a local Hugging Face directory and module:function."""
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from loracc import presets
 from loracc.cli import main
@@ -158,3 +159,13 @@ def test_check_whole_step_sees_what_a_first_call_does_not(private_cache, capsys,
     step = rows.pop("whole step vs an eager copy (loss, every trainable parameter)")
     assert [row[-1] for row in rows.values()] == ["PASS"] and step[-1] == "MISMATCH"
     assert float(step[1]) <= 1e-5 and float(step[2]) > 1.0
+
+
+def test_check_in_bf16_judges_against_fp32_where_two_bf16_runs_differ(private_cache, capsys, monkeypatch):
+    """With a bf16 tolerance no two bf16 computations meet, every row is judged against fp32 runs."""
+    from loracc import verify
+
+    monkeypatch.setitem(verify.TOLERANCES, torch.bfloat16, 1e-9)
+    assert main(["check", "plain", "--dtype", "bfloat16"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert len(rows) == 2 and all(row[-1] == "PASS" and float(row[2]) > 1e-9 for row in rows.values())
