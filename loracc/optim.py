@@ -21,6 +21,16 @@ assigned by hand). ``zero_grad(set_to_none=False)`` zeros the buffer in one call
 so that backward accumulates in place. ``state_dict()`` has torch AdamW's layout (per-parameter
 ``step``, ``exp_avg``, ``exp_avg_sq``): checkpoints load into either optimizer.
 
+``state_dtype="int8"`` keeps the moments in 8 bits, as bitsandbytes' blockwise 8-bit Adam does:
+each block of ``QBLOCK`` (256) elements stores one fp32 absmax per moment and one uint8 code per
+element, the index of the nearest entry of bitsandbytes' dynamic map (signed for ``exp_avg``,
+unsigned for ``exp_avg_sq``). A step decodes a block, updates the moments and the parameter in fp32
+from the decoded values (exactly the fp32 update), then encodes the new moments with the block's new
+absmax: 2 bytes of state per parameter instead of 8, in the same one-launch kernel. Each parameter's
+segment starts on a block, so no block mixes two parameters. ``state_dict()`` then holds, per
+parameter, ``step``, ``state1``/``state2`` (the uint8 codes) and ``absmax1``/``absmax2`` (bitsandbytes'
+names); a checkpoint with fp32 moments (torch's layout) loads into either mode, encoded or decoded.
+
 Build the optimizer once the model is on its device and in its dtype: a later ``model.to(...)``
 moves the parameters out of the buffers, which ``step()`` reports.
 """
@@ -33,6 +43,7 @@ import weakref
 import torch
 
 from .errors import LoraccError
+from .quant.nf4 import dynamic_map
 
 Tensor = torch.Tensor
 log = logging.getLogger("loracc")
@@ -40,6 +51,8 @@ log = logging.getLogger("loracc")
 # Each parameter's segment starts on 128 bytes, so kernels reading a parameter see aligned rows.
 ALIGN_BYTES = 128
 BLOCK = 1024
+QBLOCK = 256  # elements per absmax of the 8-bit moments (bitsandbytes' blockwise 8-bit optimizers)
+STATE_DTYPES = ("fp32", "int8")
 KERNEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # torch.optim.AdamW's arguments that FusedAdamW does not implement, with the only value it accepts.
 FIXED_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
@@ -54,18 +67,28 @@ class FlatBuffer:
     CPU tensor, as torch keeps it). Segments are padded to ``ALIGN_BYTES``; padding stays zero.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[torch.nn.Parameter], state_dtype: str = "fp32"):
+        self.params, self.state_dtype = params, state_dtype
         first = params[0]
         align = max(1, ALIGN_BYTES // first.element_size())
+        if state_dtype == "int8":
+            align = QBLOCK * -(-align // QBLOCK)
         self.starts = [0]  # and the buffer's size last
         for p in params:
             self.starts.append(self.starts[-1] + -(-p.numel() // align) * align)
         size = self.starts[-1]
         self.data = torch.zeros(size, dtype=first.dtype, device=first.device)
         self.grads = torch.zeros_like(self.data)
-        self.exp_avg = torch.zeros(size, dtype=torch.float32, device=first.device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        if state_dtype == "int8":
+            # Codes of 0 in both moments: the signed map's code for 0 is not index 0, so encode zeros.
+            self.maps = (dynamic_map(first.device, signed=True), dynamic_map(first.device, signed=False))
+            self.midpoints = tuple(_midpoints(m) for m in self.maps)
+            zero = torch.zeros(size, dtype=torch.float32, device=first.device)
+            self.exp_avg, self.absmax1 = quantize_blockwise(zero, self.midpoints[0])
+            self.exp_avg_sq, self.absmax2 = quantize_blockwise(zero, self.midpoints[1])
+        else:
+            self.exp_avg = torch.zeros(size, dtype=torch.float32, device=first.device)
+            self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.steps = torch.zeros(len(params), dtype=torch.float32)
         self.step_views = list(self.steps.unbind())
         self.grad_views = self.views(self.grads)
@@ -86,8 +109,39 @@ class FlatBuffer:
         return [buffer[s:s + p.numel()].view(p.shape) for s, p in zip(self.starts, self.params)]
 
     def state(self, i: int) -> dict:
-        """Parameter ``i``'s optimizer state as torch AdamW keeps it, viewing the buffers."""
+        """Parameter ``i``'s optimizer state, viewing the buffers: as torch AdamW keeps it (fp32), or
+        as bitsandbytes' 8-bit Adam names it (int8: codes ``state1``/``state2``, ``absmax1``/``absmax2``)."""
+        if self.state_dtype == "int8":
+            lo, hi = self.starts[i] // QBLOCK, -(-(self.starts[i] + self.params[i].numel()) // QBLOCK)
+            return {"step": self.step_views[i], "state1": self.exp_avg_views[i], "state2": self.exp_avg_sq_views[i],
+                    "absmax1": self.absmax1[lo:hi], "absmax2": self.absmax2[lo:hi]}
         return {"step": self.step_views[i], "exp_avg": self.exp_avg_views[i], "exp_avg_sq": self.exp_avg_sq_views[i]}
+
+    def moments(self, i: int) -> tuple[Tensor, Tensor]:
+        """Parameter ``i``'s two moments in fp32 (decoded in int8 mode; views otherwise)."""
+        if self.state_dtype != "int8":
+            return self.exp_avg_views[i], self.exp_avg_sq_views[i]
+        lo, hi = self.starts[i], self.starts[i + 1]
+        n, shape = self.params[i].numel(), self.params[i].shape
+        return tuple(dequantize_blockwise(q[lo:hi], absmax[lo // QBLOCK:hi // QBLOCK], m)[:n].view(shape)
+                     for q, absmax, m in ((self.exp_avg, self.absmax1, self.maps[0]),
+                                          (self.exp_avg_sq, self.absmax2, self.maps[1])))
+
+    def set_moments(self, i: int, exp_avg: Tensor | None, exp_avg_sq: Tensor | None) -> None:
+        """Set parameter ``i``'s moments from fp32 values (None: zeros), encoding them in int8 mode."""
+        if self.state_dtype != "int8":
+            for view, value in ((self.exp_avg_views[i], exp_avg), (self.exp_avg_sq_views[i], exp_avg_sq)):
+                view.zero_() if value is None else view.copy_(value)
+            return
+        lo, hi = self.starts[i], self.starts[i + 1]
+        n = self.params[i].numel()
+        for value, q, absmax, bounds in ((exp_avg, self.exp_avg, self.absmax1, self.midpoints[0]),
+                                         (exp_avg_sq, self.exp_avg_sq, self.absmax2, self.midpoints[1])):
+            flat = torch.zeros(hi - lo, dtype=torch.float32, device=q.device)
+            if value is not None:
+                flat[:n] = value.reshape(-1)
+            codes, scales = quantize_blockwise(flat, bounds)
+            q[lo:hi], absmax[lo // QBLOCK:hi // QBLOCK] = codes, scales
 
     def bounds(self, first: int, last: int) -> tuple[int, int]:
         """The buffer range of parameters ``first..last`` (inclusive), padding included."""
@@ -162,13 +216,17 @@ class FusedAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (same arguments and results) as one fused kernel per flat buffer.
 
     ``amsgrad``, ``maximize``, ``capturable``, ``differentiable``, ``foreach`` and ``fused`` exist
-    for signature compatibility and must keep their default values. Parameters with
+    for signature compatibility and must keep their default values. ``state_dtype``: ``"fp32"``
+    (torch's moments) or ``"int8"`` (bitsandbytes' blockwise 8-bit moments; see the module docstring). Parameters with
     ``requires_grad=False`` are kept in ``param_groups`` (as torch does) but are never updated.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False, foreach=None,
-                 capturable: bool = False, differentiable: bool = False, fused=None):
+                 capturable: bool = False, differentiable: bool = False, fused=None, state_dtype: str = "fp32"):
+        if state_dtype not in STATE_DTYPES:
+            raise LoraccError(f"FusedAdamW: state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+        self.state_dtype = state_dtype
         self._flat_buffers: list[list[FlatBuffer]] = []  # per param group
         self._frozen: list[list[Tensor]] = []  # per param group: requires_grad=False when it was added
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
@@ -186,7 +244,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.is_complex():
                     raise LoraccError("FusedAdamW: complex parameters are not supported; use torch.optim.AdamW")
                 trainable.setdefault((p.device, p.dtype), []).append(p)
-        buffers = [FlatBuffer(ps) for ps in trainable.values()]
+        buffers = [FlatBuffer(ps, self.state_dtype) for ps in trainable.values()]
         for buffer in buffers:
             for i, p in enumerate(buffer.params):
                 self.state[p] = buffer.state(i)
@@ -226,8 +284,14 @@ class FusedAdamW(torch.optim.Optimizer):
                 buffer.check_in_place()
                 for first, last, step in buffer.advance(buffer.collect_grads()):
                     lo, hi = buffer.bounds(first, last)
-                    adamw_update(buffer.data[lo:hi], buffer.grads[lo:hi], buffer.exp_avg[lo:hi],
-                                 buffer.exp_avg_sq[lo:hi], group, step)
+                    if buffer.state_dtype == "int8":
+                        adamw8bit_update(buffer.data[lo:hi], buffer.grads[lo:hi], buffer.exp_avg[lo:hi],
+                                         buffer.exp_avg_sq[lo:hi], buffer.absmax1[lo // QBLOCK:hi // QBLOCK],
+                                         buffer.absmax2[lo // QBLOCK:hi // QBLOCK], buffer.maps, buffer.midpoints,
+                                         group, step)
+                    else:
+                        adamw_update(buffer.data[lo:hi], buffer.grads[lo:hi], buffer.exp_avg[lo:hi],
+                                     buffer.exp_avg_sq[lo:hi], group, step)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -267,12 +331,21 @@ class FusedAdamW(torch.optim.Optimizer):
                 for i, p in enumerate(buffer.params):
                     loaded, ours = saved.get(p) or {}, buffer.state(i)  # a parameter never stepped has no state
                     ours["step"].fill_(float(loaded.get("step", 0)))
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        if name in loaded:
+                    if buffer.state_dtype == "int8" and "state1" in loaded:
+                        for name in ("state1", "state2", "absmax1", "absmax2"):
                             ours[name].copy_(loaded[name])
-                        else:
-                            ours[name].zero_()
+                    else:
+                        buffer.set_moments(i, *_fp32_moments(loaded))
                     self.state[p] = ours
+
+
+def _fp32_moments(loaded: dict) -> tuple[Tensor | None, Tensor | None]:
+    """A checkpoint's moments in fp32: torch's ``exp_avg``/``exp_avg_sq``, or 8-bit ones decoded."""
+    if "state1" in loaded:
+        maps = (dynamic_map(loaded["state1"].device, signed=True), dynamic_map(loaded["state1"].device, signed=False))
+        return tuple(dequantize_blockwise(loaded[q].reshape(-1), loaded[a], m).view(loaded[q].shape)
+                     for q, a, m in (("state1", "absmax1", maps[0]), ("state2", "absmax2", maps[1])))
+    return loaded.get("exp_avg"), loaded.get("exp_avg_sq")
 
 
 def _check_group(group: dict) -> None:
@@ -301,10 +374,7 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
     The scalars are computed in double precision from the group's values, as torch.optim.AdamW
     computes them; the elementwise math runs in the fused kernel when it can, else as torch ops.
     """
-    lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    scalars = dict(decay=1 - lr * weight_decay, one_minus_beta1=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
-                   eps=eps, step_size=lr / (1 - beta1 ** step), bias_correction2_sqrt=(1 - beta2 ** step) ** 0.5)
+    scalars = _scalars(group, step)
     reason = _kernel_unavailable(param)
     if reason is None:
         compiling = _compiling.pop((param.dtype, param.device), None)
@@ -315,15 +385,70 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
                                                BLOCK=BLOCK, num_warps=4)
         return
     _say_once(f"FusedAdamW runs torch ops instead of its fused kernel: {reason}")
+    _torch_update(param, grad, exp_avg, exp_avg_sq, scalars)
+
+
+def _scalars(group: dict, step: float) -> dict:
+    """The kernel's scalar arguments, in double precision from the group's values, as torch computes them."""
+    lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return dict(decay=1 - lr * weight_decay, one_minus_beta1=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
+                eps=eps, step_size=lr / (1 - beta1 ** step), bias_correction2_sqrt=(1 - beta2 ** step) ** 0.5)
+
+
+def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, scalars: dict) -> None:
+    """The kernel's math as torch ops (fp32 moments, updated in place)."""
     p = param if param.dtype == torch.float32 else param.float()
     g = grad if grad.dtype == torch.float32 else grad.float()
     p.mul_(scalars["decay"])
     exp_avg.lerp_(g, scalars["one_minus_beta1"])
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=scalars["one_minus_beta2"])
-    denom = (exp_avg_sq.sqrt() / scalars["bias_correction2_sqrt"]).add_(eps)
+    exp_avg_sq.mul_(scalars["beta2"]).addcmul_(g, g, value=scalars["one_minus_beta2"])
+    denom = (exp_avg_sq.sqrt() / scalars["bias_correction2_sqrt"]).add_(scalars["eps"])
     p.addcdiv_(exp_avg, denom, value=-scalars["step_size"])
     if p is not param:
         param.copy_(p)
+
+
+def _midpoints(code: Tensor) -> Tensor:
+    """The 255 midpoints between neighbouring entries of an ascending 256-entry map, then +inf: the
+    index of the nearest entry of ``x`` is the number of midpoints below it (ties to the lower entry)."""
+    return torch.cat([(code[:-1] + code[1:]) / 2, code.new_full((1,), float("inf"))])
+
+
+def quantize_blockwise(x: Tensor, bounds: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` (fp32, a multiple of ``QBLOCK`` long) as uint8 codes and one fp32 absmax per block: code
+    ``i`` is the nearest map entry to ``x / absmax`` (``bounds``: ``_midpoints(map)``); a block of
+    zeros keeps absmax 0 and is encoded against 1."""
+    blocks = x.view(-1, QBLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    codes = torch.searchsorted(bounds, (blocks / scale[:, None]).reshape(-1), side="left")
+    return codes.to(torch.uint8), absmax
+
+
+def dequantize_blockwise(codes: Tensor, absmax: Tensor, code: Tensor) -> Tensor:
+    """The fp32 values of blockwise uint8 ``codes`` (flat, any length): ``code[q] · absmax[i // QBLOCK]``."""
+    return code[codes.long()] * absmax.repeat_interleave(QBLOCK)[:codes.numel()]
+
+
+def adamw8bit_update(param: Tensor, grad: Tensor, state1: Tensor, state2: Tensor, absmax1: Tensor, absmax2: Tensor,
+                     maps: tuple[Tensor, Tensor], bounds: tuple[Tensor, Tensor], group: dict, step: float) -> None:
+    """One AdamW step with 8-bit blockwise moments, in place (``param``/``grad`` ``QBLOCK``-aligned
+    flat slices, ``state1``/``state2`` their uint8 codes, ``absmax1``/``absmax2`` one per block):
+    decode, the fp32 AdamW update (``adamw_update``'s), encode with the blocks' new absmax."""
+    scalars = _scalars(group, step)
+    reason = _kernel_unavailable(param)
+    if reason is None:
+        kernel = _kernel(KERNEL_DTYPES[param.dtype], param.device, "int8")
+        kernel[(param.numel() // QBLOCK,)](param, grad, state1, state2, absmax1, absmax2, maps[0], bounds[0], maps[1],
+                                          bounds[1], param.numel(), **scalars, BLOCK=QBLOCK, num_warps=4)
+        return
+    _say_once(f"FusedAdamW runs torch ops instead of its fused kernel: {reason}")
+    exp_avg = dequantize_blockwise(state1, absmax1, maps[0])
+    exp_avg_sq = dequantize_blockwise(state2, absmax2, maps[1])
+    _torch_update(param, grad, exp_avg, exp_avg_sq, scalars)
+    state1[:], absmax1[:] = quantize_blockwise(exp_avg, bounds[0])
+    state2[:], absmax2[:] = quantize_blockwise(exp_avg_sq, bounds[1])
 
 
 def _kernel_unavailable(param: Tensor) -> str | None:
@@ -362,12 +487,12 @@ def _warmup(data: Tensor):
 
 
 @functools.cache
-def _kernel(dtype: str, device: torch.device):
+def _kernel(dtype: str, device: torch.device, state: str = "fp32"):
     from .codegen import cache
     from .codegen.render import render
 
-    name = f"adamw_step_{dtype}"
-    return cache.load_kernel(name, render("adamw.py.jinja", name=name, dtype=dtype), device)
+    name = f"adamw_step_{dtype}" + ("_int8_states" if state == "int8" else "")
+    return cache.load_kernel(name, render("adamw.py.jinja", name=name, dtype=dtype, state=state), device)
 
 
 @functools.cache

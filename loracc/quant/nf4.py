@@ -45,16 +45,18 @@ def nf4_code(device=None) -> Tensor:
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
 
 
-def dynamic_map(device=None) -> Tensor:
-    """bitsandbytes' signed dynamic 8-bit map (``functional.create_dynamic_map(signed=True)``): 256
-    fp32 values in [-1, 1], ascending, dense near zero. Built the way bitsandbytes builds it, so the
-    values are the same floats."""
+def dynamic_map(device=None, signed: bool = True) -> Tensor:
+    """bitsandbytes' dynamic 8-bit map (``functional.create_dynamic_map(signed)``): 256 fp32 values,
+    ascending, dense near zero; in [-1, 1] when ``signed`` (NF4's nested absmax, Adam's first moment),
+    in [0, 1] otherwise (Adam's second moment). Built the way bitsandbytes builds it, so the values
+    are the same floats."""
     data = []
-    for i in range(7):  # 7 exponent bits; each decade 10^(i-6) gets 2^i + 1 linear boundaries
-        boundaries = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+    for i in range(7):  # 7 exponent bits; decade 10^(i-6) gets 2^i (signed) or 2^(i+1) linear steps
+        boundaries = torch.linspace(0.1, 1, (2**i if signed else 2 ** (i + 1)) + 1, dtype=torch.float32)
         means = (boundaries[:-1] + boundaries[1:]) / 2.0
         data += ((10 ** (-6 + i)) * means).tolist()
-        data += (-(10 ** (-6 + i)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-6 + i)) * means).tolist()
     data += [0, 1.0]
     data += [0] * (256 - len(data))
     return torch.tensor(sorted(data), dtype=torch.float32, device=device)
