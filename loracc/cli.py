@@ -166,10 +166,9 @@ def cmd_check(args) -> int:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
-    details = [(region.name, reason) for region in model._loracc.regions
-               for reason in [f.reason for f in region.fallbacks]]
-    for name, reason in details:
-        print(f"{name}: {reason}")
+    for region in model._loracc.regions:
+        for fallback in region.fallbacks:
+            print(f"{fallback.module}: {fallback.reason}")
     return 1 if any(row[-1] == "MISMATCH" for row in rows) else 0
 
 

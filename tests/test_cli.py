@@ -169,3 +169,23 @@ def test_check_in_bf16_judges_against_fp32_where_two_bf16_runs_differ(private_ca
     assert main(["check", "plain", "--dtype", "bfloat16"]) == 0
     rows = _table(capsys.readouterr().out)
     assert len(rows) == 2 and all(row[-1] == "PASS" and float(row[2]) > 1e-9 for row in rows.values())
+
+
+def test_check_shows_a_region_that_runs_eagerly_as_fallback_with_its_reason(private_cache, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("peft")
+    (tmp_path / "hooked_model.py").write_text(
+        "from loracc import presets\n\n"
+        "def build():\n"
+        "    model, batch = presets.preset('llama', seq=7)\n"
+        "    model.base_model.model.model.norm.register_forward_hook(lambda module, args, output: None)\n"
+        "    return model, batch\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="has hooks"):
+        assert main(["check", "hooked_model:build"]) == 0
+    text = capsys.readouterr().out
+    rows = _table(text)
+    head = next(row for name, row in rows.items() if name.startswith("head"))
+    assert head[0] == "0" and head[-1] == "FALLBACK"
+    assert [row[-1] for name, row in rows.items() if not name.startswith("head")] == ["PASS", "PASS"]
+    assert "norm+lm_head+loss: the final norm or lm_head has hooks" in text
