@@ -2,7 +2,7 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|lora] ...   (several parts run in order)
+#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
@@ -15,6 +15,8 @@
 #        references), one call each: eager PEFT, Liger, Unsloth and loracc on every layout;
 #        torch.compile on the padded layout; the same with dynamic=True; both on the packed layout.
 #        MAXLEN=1024 clips the lengths.
+# moe, nf4, sdxl, flux: the Qwen3-MoE-shaped, Llama-3-8B NF4-base (PEFT + bitsandbytes, eager PEFT over
+#        loracc's NF4 layers, loracc), SDXL UNet 1024² and Flux-dev-shaped (3+6 blocks) step rows.
 # Results go under $OUT (default ./gpu-check-out). Liger's wheel is installed from .whl/ when it is
 # there (carry it to the GPU machine); it must go through `python -m pip`, the interpreter the
 # benchmark workers run.
@@ -65,9 +67,18 @@ for part in "${@:-tests}"; do
         [ $part = varlen-compile-packed ] && what="--method peft-compile,peft-compile-dynamic --workload qwen2-0.5b-packed"
         BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step --varlen $what ${MAXLEN:+--max-len $MAXLEN} \
             --timeout 540 --deadline 570 --out "$OUT/$part.json" 2>&1 | grep -A40 "^summary" ;;
+    moe|nf4|sdxl|flux)
+        case $part in
+        moe)  what="--workload qwen3-moe --method peft-eager,peft-compile,loracc" ;;
+        nf4)  what="--workload llama-3-8b-nf4 --method peft-bnb,peft-eager,loracc,loracc-bnb" ;;
+        sdxl) what="--workload sdxl-unet --method peft-eager,peft-hf-ckpt,peft-compile,loracc" ;;
+        flux) what="--workload flux-dev-small --method peft-eager,peft-compile,loracc" ;;
+        esac
+        BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step $what --no-warm --timeout 400 --deadline 570 \
+            --out "$OUT/$part.json" 2>&1 | grep -A30 "^summary" ;;
     lora)
         BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks lora-linear --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
     *)
-        echo "unknown part $part: tests, steps, kernels, quick, varlen, varlen-compile, varlen-dynamic, varlen-compile-packed or lora"; exit 2 ;;
+        echo "unknown part $part: tests, steps, kernels, quick, varlen, varlen-compile, varlen-dynamic, varlen-compile-packed, moe, nf4, sdxl, flux or lora"; exit 2 ;;
     esac
 done

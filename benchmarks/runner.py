@@ -44,7 +44,8 @@ VARLEN_WORKLOADS = ["qwen2-0.5b-varlen", "qwen2-0.5b-packed"]
 VARLEN_REFERENCE_WORKLOADS = ["qwen2-0.5b-fixed-mean", "qwen2-0.5b-longest"]
 VARLEN_METHODS = ["peft-eager", "peft-liger", "unsloth", "peft-compile", "peft-compile-dynamic", "loracc"]
 VARLEN_REFERENCE_METHODS = ["loracc"]
-OPTIONAL = {"peft-liger": "liger_kernel", "unsloth": "unsloth", "unsloth-nocompile": "unsloth"}  # else skipped
+OPTIONAL = {"peft-liger": "liger_kernel", "unsloth": "unsloth", "unsloth-nocompile": "unsloth",
+            "peft-bnb": "bitsandbytes", "loracc-bnb": "bitsandbytes"}  # a method whose package may be missing: skipped
 
 
 def missing_package(method: str) -> str | None:

@@ -73,7 +73,9 @@ WORKLOADS = {
                                  "bfloat16", diffusion.JOINT_ATTENTION),
     # A CPU smoke workload: exercises every stage in seconds; fp32 so parity is exact.
     "tiny": dict(family="llama", batch=2, seq=32, dtype="float32", config=TINY),
-    "tiny-nf4": dict(family="llama", batch=2, seq=32, dtype="float32", config=TINY, quant="nf4"),
+    # Every output a multiple of 64 (bitsandbytes' CPU kernel misreads other row lengths).
+    "tiny-nf4": dict(family="llama", batch=2, seq=32, dtype="float32", config=dict(TINY, num_key_value_heads=4),
+                     quant="nf4"),
     "tiny-moe": dict(family="qwen3_moe", batch=2, seq=32, dtype="float32", config=TINY_MOE, lora=MOE_LORA),
     "tiny-unet": _diffusion("unet", diffusion.TINY_UNET, 2, 64, 7, "float32", diffusion.ATTENTION),
     "tiny-flux": _diffusion("flux", diffusion.TINY_FLUX, 2, 96, 7, "float32", diffusion.JOINT_ATTENTION),
@@ -102,11 +104,14 @@ METHODS = {
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
     "loracc-8gb": "loracc.compile with memory_budget='8GB' (8e9 bytes = 7.45 GiB; a limit on the whole step's peak)",
     "loracc-graphs": "loracc.compile with cuda_graphs=True (each compiled graph replayed as a CUDA graph)",
+    "peft-bnb": "QLoRA as users run it: PEFT over bitsandbytes' Linear4bit (NF4, double quant), eager (quantized workloads)",
+    "loracc-bnb": "loracc.compile over the same bitsandbytes model, its NF4 layers adopted first "
+                  "(loracc.quant.bnb.adopt; quantized workloads)",
 }
-LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None, "loracc-nographs": None}  # loracc-budget: --loracc-budget
+LORACC_BUDGETS = {"loracc": None, "loracc-8gb": "8GB", "loracc-graphs": None, "loracc-nographs": None, "loracc-bnb": None}  # loracc-budget: --loracc-budget
 NEEDS_CUDA = {"peft-liger", "unsloth", "unsloth-nocompile"}
 # Methods whose first step compiles; for them a second process can measure the first step warm.
-COMPILING = {"peft-compile", "peft-compile-dynamic", "peft-compile-layer", "peft-compile-budget", "loracc",
+COMPILING = {"peft-compile", "peft-compile-dynamic", "peft-compile-layer", "peft-compile-budget", "loracc", "loracc-bnb",
              "loracc-budget", "loracc-8gb", "loracc-graphs", "loracc-nographs", "peft-liger", "unsloth",
              "unsloth-nocompile"}
 
@@ -127,6 +132,8 @@ def applies(method: str, workload: str) -> str | None:
         return f"{method} applies to causal language models only (choose from {', '.join(sorted(DIFFUSION_METHODS))})"
     if method.startswith("unsloth") and (spec.get("quant") or spec["family"] not in ("llama", "qwen2")):
         return "the benchmark loads Llama and Qwen2 bf16 bases into Unsloth only"
+    if method in ("peft-bnb", "loracc-bnb") and not spec.get("quant"):
+        return "bitsandbytes' NF4 base applies to the quantized workloads only (llama-3-8b-nf4, tiny-nf4)"
     return None
 
 
@@ -214,13 +221,22 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
     if method.startswith("unsloth"):
         progress("unsloth load")
         return _unsloth_model(base, max_seq or spec["seq"], device)
+    if method in ("peft-bnb", "loracc-bnb"):
+        progress("quantize")
+        _to_bitsandbytes(base, device, getattr(torch, spec["dtype"]))
     if method == "peft-hf-ckpt":
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     targets = spec.get("lora", {"target_modules": LORA_TARGETS})
     lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
     model = get_peft_model(base, lora)
     model.train()
-    if spec.get("quant"):
+    if method == "loracc-bnb":
+        from loracc.quant import bnb as loracc_bnb
+
+        left = loracc_bnb.adopt(model)
+        if left:
+            raise ValueError(f"loracc.quant.bnb.adopt left {len(left)} layers: {left[:3]}")
+    if spec.get("quant") and method not in ("peft-bnb", "loracc-bnb"):
         import loracc
 
         progress("quantize")
@@ -239,6 +255,28 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
             layer.compile(dynamic=dynamic or None)
         return model, model, shapes.lstrip(", ")
     return model, model, ""
+
+
+def _to_bitsandbytes(base, device, compute_dtype) -> None:
+    """The decoder layers' linears become bitsandbytes ``Linear4bit`` (NF4, double quantization),
+    quantized from the same weights, as ``from_pretrained(quantization_config=...)`` builds them;
+    PEFT then wraps them in its 4-bit LoRA layers."""
+    import bitsandbytes as bnb
+    import torch
+
+    for parent in list(base.model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+            layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                             compress_statistics=True)
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.to(device))  # quantizes the weight on the way
+    base.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets: PEFT picks its 4-bit layers
 
 
 def _unsloth_model(base, max_seq: int, device):

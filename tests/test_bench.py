@@ -614,6 +614,16 @@ def test_other_workloads_train_and_match_eager(workload):
     assert "fallbacks to eager: none" in compiled["notes"], compiled["notes"]
 
 
+def test_nf4_base_through_bitsandbytes_trains_as_loracc_quantize():
+    """peft-bnb (PEFT over bitsandbytes' Linear4bit) and loracc-bnb (the same model adopted and compiled)
+    train as eager PEFT over loracc.quantize's NF4 layers: the same format, quantized from the same weights."""
+    pytest.importorskip("bitsandbytes")
+    reference = _train_in_process("tiny-nf4", "peft-eager")["losses"]
+    for method in ("peft-bnb", "loracc-bnb"):
+        assert _train_in_process("tiny-nf4", method)["losses"] == pytest.approx(reference, rel=1e-4), method
+    assert workloads.applies("peft-bnb", "llama-3-8b") and workloads.applies("loracc-bnb", "llama-3-8b-nf4") is None
+
+
 def test_real_shapes_of_the_other_workloads():
     """The GPU workloads are the public configs' shapes: built on the meta device, counted."""
     import torch
