@@ -1,6 +1,7 @@
 """``benchmarks/results/README.md``: the index of the runs in ``benchmarks/results/``, latest first.
 
     python -m benchmarks index
+    python -m benchmarks index --add OUT/*.json   # file records made elsewhere (a GPU machine) into their runs
 
 A run is a folder ``<date>-<device>-<commit>/`` (``harness.run_dir``) holding the JSON every
 subcommand of that run wrote and, where ``python -m benchmarks report`` made one, its ``README.md``.
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
-from benchmarks import harness
+from benchmarks import harness, report
 
 
 def _provenance(path: Path) -> dict:
@@ -71,9 +73,37 @@ def write_index(results: Path = harness.RESULTS) -> Path:
     return path
 
 
+def run_folder_of(path: Path, results: Path = harness.RESULTS) -> Path:
+    """The run folder a record file belongs in, from its provenance: ``<date>-<device>-<commit>``."""
+    run = harness.load(path)["run"]
+    commit = str(run.get("git_commit") or "nocommit")[:7]
+    return results / f"{str(run['date'])[:10]}-{harness.device_slug(str(run['device']))}-{commit}"
+
+
+def add(paths: list[Path], results: Path = harness.RESULTS) -> list[Path]:
+    """Copy each record file into its run folder (a file of the same name already there must be the
+    same), regenerate those folders' reports; returns the folders."""
+    folders = []
+    for path in paths:
+        folder = run_folder_of(path, results)
+        target = folder / path.name
+        if target.exists() and target.read_bytes() != path.read_bytes():
+            raise FileExistsError(f"{target} exists with other content: rename {path} first")
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        folders.append(folder)
+    for folder in dict.fromkeys(folders):
+        report.write_report(report.run_files(folder), folder)
+    return list(dict.fromkeys(folders))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=harness.RESULTS, help="the results folder (default: benchmarks/results)")
+    parser.add_argument("--add", type=Path, nargs="+", default=[],
+                        help="record files to copy into their run folders first (by their date, device and commit)")
     args = parser.parse_args(argv)
+    for folder in add(args.add, args.results):
+        print(f"{folder}/README.md")
     print(write_index(args.results))
     return 0

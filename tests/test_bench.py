@@ -552,6 +552,23 @@ def test_results_index_lists_runs_latest_first(tmp_path):
     assert "[step.json](2026-01-01-h100-aaaaaaa/step.json)" in rows[1] and "- [old_h100.json](old_h100.json)" in text
 
 
+def test_index_add_files_records_into_their_run_folder(tmp_path):
+    from benchmarks import results_index
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _step_run(tmp_path / "out", "2026-01-04T10:00:00+00:00", "NVIDIA H100 80GB HBM3", [_record("loracc", [1.0])],
+              name="varlen.json")
+    assert results_index.main(["--results", str(results), "--add", str(tmp_path / "out" / "varlen.json")]) == 0
+    folder = results / "2026-01-04-h100-abcdef0"
+    assert (folder / "varlen.json").read_bytes() == (tmp_path / "out" / "varlen.json").read_bytes()
+    assert "| loracc | ok |" in (folder / "README.md").read_text()
+    assert "[2026-01-04-h100-abcdef0](2026-01-04-h100-abcdef0/)" in (results / "README.md").read_text()
+    (tmp_path / "out" / "varlen.json").write_text((tmp_path / "out" / "varlen.json").read_text().replace("loracc", "x"))
+    with pytest.raises(FileExistsError, match="exists with other content"):
+        results_index.add([tmp_path / "out" / "varlen.json"], results)
+
+
 def test_readme_table_fills_only_between_the_markers(tmp_path):
     from benchmarks import readme_table
 
