@@ -7,6 +7,6 @@ every subcommand; ``workloads.py`` holds the model shapes, the methods compared 
 A run writes into ``benchmarks/results/<date>-<device>-<commit>/``; ``report`` turns a run folder
 into its README.md, ``index`` lists the runs, ``readme`` fills README.md's results table. A
 subcommand is a module with a ``main(argv) -> int`` and a line in ``__main__.SUBCOMMANDS``.
-Imports go one way: harness, diffusion ← workloads ← varlen ← report ← runner, step, results_index,
-readme_table; step ← memory_budget.
+Imports go one way: harness, diffusion ← workloads ← varlen ← report, runner ← step ← memory_budget;
+report ← results_index, readme_table.
 """
