@@ -357,3 +357,31 @@ def test_unknown_quantized_layouts_are_named():
     assert "FP4" in left[fp4] and "NF4 only" in left[fp4]
     assert "GPTQ" in left["base_model.model.model.layers.1.mlp.extra"]
     assert len(left) == 15 and not any(isinstance(m, NF4Linear) for m in model.modules())
+
+
+# Memory and explain ---------------------------------------------------------------------------------
+
+
+def test_memory_counts_the_packed_weights_and_the_decode_workspace():
+    """The persistent bytes are the packed weights and their quant state (not a 16/32-bit copy); the
+    region's arena holds the decoded weights while they live (at least the largest one)."""
+    from loracc.model import persistent_bytes
+    from loracc.quant import base_formats
+
+    model, batch = presets.preset("llama", layers=2)
+    loracc.quantize(model, "nf4", double_quant=True)
+    quantized = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    state = {id(t): t for m in quantized for t in list(m.buffers()) + [m.weight]}  # the maps are shared
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    decoded_bytes = [m.out_features * m.in_features * 4 for m in quantized]
+    assert state_bytes < sum(decoded_bytes) / 6
+    rest = sum(t.numel() * t.element_size() * (4 if t.requires_grad else 1)
+               for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values() if id(t) not in state)
+    compiled = loracc.compile(model, backend="eager")
+    assert persistent_bytes(compiled) == rest + state_bytes
+    _step(compiled, batch)
+    block = next(r for r in compiled._loracc.regions if r.kind == "block").latest
+    assert block.reports["memory_plan"]["arena_bytes"] >= max(decoded_bytes)
+    assert loracc.explain(compiled).predicted_peak_bytes >= persistent_bytes(compiled) + max(decoded_bytes)
+    formats = base_formats(compiled)
+    assert len(formats) == 14 and all(f.startswith("nf4 (blocks of 64, absmax in 8 bits per 256)") for f in formats.values())

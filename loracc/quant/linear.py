@@ -137,3 +137,17 @@ def quantize(model: nn.Module, format: str = "nf4", *, double_quant: bool = True
     for parent, name, linear in targets:
         setattr(parent, name, NF4Linear.from_linear(linear, double_quant=double_quant, compute_dtype=compute_dtype))
     return model
+
+
+def base_formats(model: nn.Module) -> dict[str, str]:
+    """How each frozen linear layer under a LoRA adapter (PEFT's ``base_layer``) or quantized by loracc
+    stores its weight, by module path: ``NF4Linear.format`` (``"nf4 (blocks of 64, ...)"``) or the
+    weight's dtype (``"bfloat16"``). For ``explain``."""
+    formats = {}
+    for path, module in model.named_modules():
+        fmt = getattr(module, "format", None)
+        if isinstance(fmt, str) and isinstance(module, nn.Linear):
+            formats[path] = fmt
+        elif type(module) is nn.Linear and path.endswith(".base_layer"):
+            formats[path] = str(module.weight.dtype).removeprefix("torch.")
+    return formats

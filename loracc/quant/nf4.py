@@ -19,6 +19,7 @@ imported here.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -92,6 +93,13 @@ class NF4Weight:
                               self.offset, self.shape, self.blocksize, self.nested_blocksize, dtype or self.dtype)
 
 
+@functools.cache
+def _shared_maps(device: torch.device) -> tuple[Tensor, Tensor]:
+    """One NF4 code book and one signed dynamic map per device, shared by every weight quantized there
+    (as bitsandbytes shares its maps): a model pays for them once."""
+    return nf4_code(device), dynamic_map(device)
+
+
 def _blockwise_absmax_and_scaled(flat: Tensor, blocksize: int) -> tuple[Tensor, Tensor]:
     """Per-block absmax and the values scaled into [-1, 1], as bitsandbytes computes them (full
     blocks multiplied by the reciprocal, the short last block divided)."""
@@ -117,7 +125,7 @@ def quantize_nf4(weight: Tensor, *, double_quant: bool = True, blocksize: int = 
                  nested_blocksize: int = NESTED_BLOCKSIZE) -> NF4Weight:
     """``weight`` (any shape, fp32/bf16/fp16) in NF4, optionally with double-quantized absmax."""
     flat = weight.detach().reshape(-1).float()
-    code = nf4_code(weight.device)
+    code, nested_code = _shared_maps(weight.device)
     absmax, scaled = _blockwise_absmax_and_scaled(flat, blocksize)
     if scaled.numel() % 2:
         scaled = torch.nn.functional.pad(scaled, (0, 1))
@@ -126,7 +134,6 @@ def quantize_nf4(weight: Tensor, *, double_quant: bool = True, blocksize: int = 
     result = NF4Weight(packed, absmax, code, tuple(weight.shape), weight.dtype, blocksize)
     if double_quant:
         offset = absmax.mean()
-        nested_code = dynamic_map(weight.device)
         nested_absmax, nested_scaled = _blockwise_absmax_and_scaled(absmax - offset, nested_blocksize)
         result.absmax = _nearest(nested_scaled, nested_code).to(torch.uint8)
         result.nested_absmax, result.nested_quant_map, result.offset = nested_absmax, nested_code, offset
