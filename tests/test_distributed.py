@@ -123,11 +123,7 @@ def rows_of(batch: dict, first: int, count: int) -> dict:
 
 
 def trainable(model) -> dict:
-    return {_plain(n): p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _plain(name: str) -> str:
-    return name.replace("module.", "").replace("_fsdp_wrapped_", "")
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _full(t):
@@ -166,21 +162,16 @@ def global_mean(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
-def reference_run(batches, *, steps=STEPS, accumulate=None):
-    """Single-process eager PEFT: for each global batch one forward/backward (or, with
-    ``accumulate``, that batch's micro-batches, each loss scaled by ``accumulate`` as given), AdamW.
-    Returns (losses, gradients of the first step, parameters after ``steps``)."""
+def reference_run(batches):
+    """Single-process eager PEFT: one forward/backward on each global batch, then an AdamW step.
+    Returns (losses, gradients of the first step, parameters after the last step)."""
     model = fresh()
     optimizer = torch.optim.AdamW(list(trainable(model).values()), lr=LR)
     losses, first = [], None
-    for step in range(steps):
-        parts = accumulate(batches[step]) if accumulate else [(batches[step], {}, 1.0)]
-        total = 0.0
-        for micro, kwargs, scale in parts:
-            loss = model(**micro, **kwargs).loss * scale
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
+    for step, batch in enumerate(batches):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
         if step == 0:
             first = {n: g.clone() for n, g in grads(model).items()}
         optimizer.step()
@@ -204,7 +195,6 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
     model = fresh()
     if wrap == "none":  # no DDP: FusedAdamW's flat gradient buffers, all-reduced after the backward
         net = loracc.compile(model)
-        net.no_sync = contextlib.nullcontext
     elif ddp_args.get("find_unused_parameters"):
         model.base_model.model.unused_adapter = torch.nn.Linear(3, 3)  # trainable, never called
     if wrap == "ddp(compile)":
@@ -218,7 +208,7 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
         first = (rank * accumulate) * micro_rows
         total = 0.0
         for i in range(accumulate):
-            sync = contextlib.nullcontext() if i == accumulate - 1 else net.no_sync()
+            sync = contextlib.nullcontext() if i == accumulate - 1 or wrap == "none" else net.no_sync()
             with sync:
                 loss = net(**rows_of(batches[step], first + i * micro_rows, micro_rows)).loss / accumulate
                 loss.backward()
