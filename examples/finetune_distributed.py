@@ -28,7 +28,6 @@ docs/distributed.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime
 import os
@@ -161,6 +160,18 @@ def materialize(model, device) -> None:
             module.original_inv_freq.copy_(inv_freq)
 
 
+def flops_per_token(config, rank: int, seq_len: int) -> float:
+    """Useful FLOPs of one training token (as benchmarks/workloads.py counts them, for MFU):
+    4·P (frozen linears incl. the vocabulary projection: forward and input gradient, no weight
+    gradient) + 6·L·s·d (causal attention) + 6·L·r·Σ(in+out) (the LoRA linears)."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = [(h, q_out), (h, kv_out), (h, kv_out), (q_out, h), (h, inter), (h, inter), (inter, h)]
+    frozen = layers * sum(i * o for i, o in shapes) + h * config.vocab_size
+    return float(4 * frozen + 6 * layers * seq_len * q_out + 6 * layers * rank * sum(i + o for i, o in shapes))
+
+
 def sequences(seq_len: int) -> torch.Tensor:
     """The support messages as bytes (token = byte value), packed into rows of ``seq_len``."""
     with open(TEXT, newline="") as f:
@@ -250,8 +261,10 @@ def train(args, device):
     seconds = time.perf_counter() - start
     if rank == 0:
         per_rank = tokens / seconds
+        flops = flops_per_token(inner.base_model.model.config, args.rank, args.seq_len)
         print(f"tokens/s per rank: {per_rank:,.0f}; all ranks: {per_rank * world:,.0f} "
-              f"(steps {args.warmup + 1}..{args.steps}, {seconds:.1f} s)")
+              f"(steps {args.warmup + 1}..{args.steps}, {seconds:.1f} s); "
+              f"model TFLOP/s per rank: {per_rank * flops / 1e12:.3g} (MFU: divide by the GPU's dense bf16 rate)")
         if device.type == "cuda":
             print(f"peak memory rank 0: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
         if args.method == "loracc":
