@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -335,7 +336,9 @@ def localize(program, inputs, want_outputs, cotangents, targets, want_grads, tol
         for index, grad in zip(program.grad_inputs, grads):
             full[index] = grad
         if differs(outs, [full[i] for i in targets]):
-            return "first differs in the partitioned forward/backward graphs (remat, partition, fusion or memory plan)"
+            joint_inputs = [*inputs, *[t for t, d in zip(tangents, differentiable) if d]]
+            backward_inputs = [*saved, *[t.contiguous() for t, d in zip(tangents, differentiable) if d]]
+            return _partition_difference(stages, joint_inputs, inputs, backward_inputs, tol, devices, rng)
     return "every stage's graph run with ATen agrees with eager: the difference is in the compiled kernels"
 
 
@@ -348,10 +351,36 @@ def _first_difference(name, previous, stages, inputs, tol, devices, rng) -> str:
     for node in stages[name].graph.nodes:
         a, b = after.get(node.name), before.get(node.name)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() and relative_error(a, b) > tol:
-            module = node.meta.get("loracc", {}).get("module")
-            return (f"{where}, at node {node.name} ({node.target}{', module ' + module if module else ''}): "
-                    f"{relative_error(a, b):.1e} relative to the {previous} graph")
+            return f"{where}, at node {_describe_node(node)}: {relative_error(a, b):.1e} relative to the {previous} graph"
     return where
+
+
+def _partition_difference(stages, joint_inputs, forward_inputs, backward_inputs, tol, devices, rng) -> str:
+    """Where the partitioned graphs differ from the joint graph they were cut from: the first node
+    of the forward, then of the backward graph, whose value differs from the joint's node of the same
+    name, target and arguments (nodes a pass made anew have no counterpart)."""
+    where = "first differs in the partitioned forward/backward graphs (remat, partition, fusion or memory plan)"
+    reference = "remat" if "remat" in stages else "joint"
+    before = _values(stages[reference], joint_inputs, devices, rng)
+    counterparts = {n.name: n for n in stages[reference].graph.nodes}
+    for stage, graph_inputs in (("forward", forward_inputs), ("backward", backward_inputs)):
+        after = _values(stages[stage], graph_inputs, devices, rng)
+        for node in stages[stage].graph.nodes:
+            twin = counterparts.get(node.name)
+            if node.op != "call_function" or twin is None or twin.target != node.target or str(twin.args) != str(node.args):
+                continue
+            a, b = after.get(node.name), before.get(node.name)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() and relative_error(a, b) > tol:
+                return f"{where}, at node {_describe_node(node)} of the {stage} graph: {relative_error(a, b):.1e} relative to the {reference} graph"
+    return where
+
+
+def _describe_node(node: fx.Node) -> str:
+    """``name (target, module)``; for one output of a multi-output op, that op's."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return f"{node.name} (output {node.args[1]} of {_describe_node(node.args[0])})"
+    module = node.meta.get("loracc", {}).get("module")
+    return f"{node.name} ({node.target}{', module ' + module if module else ''})"
 
 
 def _values(gm: fx.GraphModule, inputs, devices, rng) -> dict:

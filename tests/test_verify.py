@@ -126,9 +126,10 @@ def test_a_sign_flipped_gradient_is_caught_and_the_region_runs_eagerly(monkeypat
     assert len(report.fallbacks) == 1 and "verify:" in report.fallbacks[0].reason
 
 
-def _planted_sign_flip(gm):
-    """A planted forward pass: the first multiplication's result negated for all its users."""
-    node = next(n for n in gm.graph.nodes if n.target in (torch.ops.aten.mul.Tensor, operator.mul))
+def _planted_sign_flip(gm, targets=(torch.ops.aten.mul.Tensor, operator.mul)):
+    """A planted forward pass: the first multiplication's result (or the first node calling one of
+    ``targets``) negated for all its users."""
+    node = next(n for n in gm.graph.nodes if n.target in targets)
     with gm.graph.inserting_after(node):
         flipped = gm.graph.call_function(torch.ops.aten.neg.default, (node,))
     flipped.meta = {**node.meta}
@@ -248,3 +249,26 @@ def test_triton_programs_on_the_gpu_pass_and_train_as_eager(dtype):
     checks = [v for r in model._loracc.regions for v in r.verifications]
     assert len(checks) == 3 and all(c.passed for c in checks), [c.describe() for c in checks]
     assert model._loracc.backend.used == {"triton": None}
+
+
+def _flip_the_gelu_backward(result):
+    """A planted bug inside the backward graph: the users of its GELU backward get its negation."""
+    gm = result.gm
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if not any(isinstance(a, fx.Node) and a.meta.get("loracc", {}).get("role") == "gradient" for a in output.args[0]):
+        return result  # the forward graph
+    _planted_sign_flip(gm, targets=(torch.ops.aten.gelu_backward.default,))
+    return result
+
+
+def test_a_wrong_node_in_the_backward_graph_is_found(monkeypatch):
+    real_fusion = pipeline.fusion
+    monkeypatch.setattr(pipeline, "fusion", lambda gm: _flip_the_gelu_backward(real_fusion(gm)))
+    model, batch = _model("plain")
+    reference = copy.deepcopy(model)
+    loracc.compile(model, backend="eager", verify=True)
+    with pytest.warns(UserWarning, match=r"first differs in the partitioned forward/backward graphs .*, at node \w+ "
+                                         r"\(output \d of \w+ \(loracc\.lora_linear_backward\.default, module "
+                                         r"blocks\.0[\w.]*\)\) of the backward graph"):
+        got = _step(model, batch)
+    _assert_same(got, _step(reference, batch))
