@@ -194,6 +194,26 @@ def _(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset,
                       blocksize, nested_blocksize, dtype)
 
 
+# ``loracc::dequant_fp8(weight, scale, block, dtype) -> W`` decodes an FP8 weight (``loracc/quant/fp8.py``):
+# ``weight`` the float8_e4m3fn bits as uint8 [out, in], ``scale`` fp32 per channel [out, 1] (``block``
+# 0) or per ``block``×``block`` tile; W = fp8 · scale in fp32, rounded once to ``dtype``.
+
+
+@torch.library.custom_op("loracc::dequant_fp8", mutates_args=())
+def dequant_fp8(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+    from .quant.fp8 import FP8, dequantize_fp8
+
+    return dequantize_fp8(weight.view(FP8), scale, block or None, dtype)
+
+
+@dequant_fp8.register_fake
+def _(weight, scale, block, dtype):
+    return weight.new_empty(weight.shape, dtype=dtype)
+
+
 DEQUANT_NF4 = torch.ops.loracc.dequant_nf4.default
+DEQUANT_FP8 = torch.ops.loracc.dequant_fp8.default
+# Decodings of a quantized frozen weight: their first argument is the stored weight (a graph input).
+DEQUANTIZERS = (DEQUANT_NF4, DEQUANT_FP8)
 # loracc ops that are cheap to compute again (no GEMM): remat may recompute them in the backward.
-RECOMPUTABLE = (DEQUANT_NF4,)
+RECOMPUTABLE = DEQUANTIZERS

@@ -49,7 +49,7 @@ def adopt(model: nn.Module) -> list[tuple[str, str]]:
                     setattr(parent, name, from_linear4bit(child))
                 else:
                     left.append((path, reason))
-            elif not isinstance(child, NF4Linear) and (reason := foreign_reason(child)) is not None:
+            elif not hasattr(child, "dequantized_weight") and (reason := foreign_reason(child)) is not None:
                 left.append((path, reason))
     return left
 
@@ -77,7 +77,8 @@ def unsupported_reason(layer: nn.Module) -> str | None:
 
 
 def foreign_reason(module: nn.Module) -> str | None:
-    """The format of another library's quantized linear layer, or None for anything else."""
+    """The format of another library's quantized linear layer, or None for anything else (loracc's
+    own ``NF4Linear``/``FP8Linear``, which have ``dequantized_weight``, are not asked)."""
     name = type(module).__name__
     if name in FOREIGN:
         return f"{name} ({FOREIGN[name]} quantized weights, a layout loracc does not read)"

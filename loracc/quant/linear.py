@@ -22,7 +22,7 @@ from ..ops import dequant_nf4
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, NF4Weight, quantize_nf4
 
 QUANT_STATE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "nested_offset")
-FORMATS = ("nf4",)
+FORMATS = ("nf4", "fp8")
 
 
 class NF4Linear(nn.Linear):
@@ -104,8 +104,12 @@ class NF4Linear(nn.Linear):
 
 def quantize(model: nn.Module, format: str = "nf4", *, double_quant: bool = True,
              compute_dtype: torch.dtype | None = None, include_lm_head: bool = False,
-             skip: tuple[str, ...] = ()) -> nn.Module:
-    """Replace the frozen ``nn.Linear`` layers of ``model`` by NF4 ones, in place; returns ``model``.
+             skip: tuple[str, ...] = (), block: int | None = 128) -> nn.Module:
+    """Replace the frozen ``nn.Linear`` layers of ``model`` by quantized ones, in place; returns ``model``.
+
+    ``format``: ``"nf4"`` (``NF4Linear``; ``double_quant`` quantizes the absmax too) or ``"fp8"``
+    (``quant.fp8.FP8Linear``, float8_e4m3fn with ``block``×``block`` scales, or per-channel scales
+    with ``block=None``).
 
     Quantized: every ``nn.Linear`` whose weight does not require a gradient, inside PEFT LoRA layers
     (their ``base_layer``) or not, except the output projection (``lm_head`` and any linear whose
@@ -135,7 +139,13 @@ def quantize(model: nn.Module, format: str = "nf4", *, double_quant: bool = True
             "(peft.get_peft_model does; or model.requires_grad_(False) before adding adapters)"
         )
     for parent, name, linear in targets:
-        setattr(parent, name, NF4Linear.from_linear(linear, double_quant=double_quant, compute_dtype=compute_dtype))
+        if format == "fp8":
+            from .fp8 import FP8Linear
+
+            layer = FP8Linear.from_linear(linear, block=block, compute_dtype=compute_dtype)
+        else:
+            layer = NF4Linear.from_linear(linear, double_quant=double_quant, compute_dtype=compute_dtype)
+        setattr(parent, name, layer.train(linear.training))
     return model
 
 
