@@ -231,6 +231,35 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
             "unused_grad": unused_grad, "fallbacks": "fallbacks to eager: none" not in str(report)}
 
 
+def overlap(rank, world, out):
+    """When DDP launches each bucket's all-reduce: small buckets (about one layer's LoRA weights
+    each); a communication hook notes, at each launch, whether layer 0's backward has started (the
+    gradient of its output exists), in the second step (the first builds the buckets in the order
+    gradients arrive)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = fresh(layers=3)
+    net = DDP(loracc.compile(model), bucket_cap_mb=0.01)
+    seen = {"started": False, "launches": []}
+
+    def output_hook(layer, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.register_hook(lambda grad: seen.update(started=True))
+
+    model.base_model.model.model.layers[0].register_forward_hook(output_hook)  # after compile: runs around it
+
+    def comm_hook(state, bucket):
+        seen["launches"].append(seen["started"])
+        return default_hooks.allreduce_hook(None, bucket)
+
+    net.register_comm_hook(None, comm_hook)
+    for step in range(2):
+        seen.update(started=False, launches=[])
+        net(**rows_of(global_batch(step, 2 * world), 2 * rank, 2)).loss.backward()
+    return {"launches": seen["launches"], "fallbacks": len(loracc.explain(model).fallbacks)}
+
+
 def varying(rank, world, out, *, normalise=True, engine="ddp"):
     """Ranks with other token counts (rank 0: labels partly -100) and other lengths (rank 1: 7 of
     11 positions), normalised by the global count. The single-process reference is one call on the
@@ -368,6 +397,7 @@ SCENARIOS = {
     "no_sync": lambda r, w, o: ddp(r, w, o, accumulate=2),
     "flat_all_reduce": lambda r, w, o: ddp(r, w, o, wrap="none", optimizer="fused", accumulate=2),
     "unused": lambda r, w, o: ddp(r, w, o, find_unused_parameters=True),
+    "overlap": overlap,
     "varying": varying,
     "varying_naive": lambda r, w, o: varying(r, w, o, normalise=False),
     "varying_fsdp": lambda r, w, o: varying(r, w, o, engine="fsdp2"),
@@ -419,6 +449,14 @@ def test_flat_buffer_all_reduce_without_ddp(world2):
 def test_ddp_no_sync_accumulation(world2):
     """Two micro-batches per rank, the first under no_sync(): the gradient of the global batch."""
     _parity(results(world2, "no_sync"))
+
+
+def test_ddp_all_reduce_overlaps_the_backward(world2):
+    """Each compiled layer hands DDP its LoRA gradients when its backward returns: buckets of the
+    later layers are all-reduced while layer 0's backward has not run yet."""
+    for r in results(world2, "overlap"):
+        launched_early = [not started for started in r["launches"]]
+        assert len(launched_early) >= 3 and sum(launched_early) >= 2 and r["fallbacks"] == 0, r
 
 
 def test_ddp_find_unused_parameters(world2):
