@@ -27,7 +27,10 @@ def chunk_rows_for(vocab: int, rows: int) -> int:
     """Rows per chunk: as many as CHUNK_BYTES of fp32 logits hold, a multiple of 16 where that is
     at least 16 (every chunk's labels and losses then start on 16 bytes: one kernel variant)."""
     n = CHUNK_BYTES // (4 * vocab)
-    return max(1, min(rows, n - n % 16 if n >= 16 else n))
+    n = max(1, n - n % 16 if n >= 16 else n)
+    if not isinstance(rows, int):  # a symbolic row count: the full chunk (the last one is cut short),
+        return n                   # so that no length is singled out by a guard
+    return min(rows, n)
 
 
 def workspace_bytes(vocab: int, chunk_rows: int, dtype: torch.dtype) -> int:
