@@ -159,7 +159,7 @@ def verify_call(program, eager_forward: Callable, names: list[str], state: list[
     result = Verification(call=", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in calls),
                           dynamic=program.dynamic, tolerance=tolerance(inputs))
     devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):  # the real call draws from the state before this
+    with _isolated(eager_forward), torch.random.fork_rng(devices=devices):  # the real call draws as if this had not run
         rng = _rng_state(devices)
         flat = run_compiled(list(state) + [_copy(t) for t in calls])
         got = _leaves(program.captured.rebuild_output(flat))
@@ -227,6 +227,25 @@ def _judge_against_fp32(result: Verification, compared: list, eager_forward, sig
             continue
         ref = ref.detach().float()
         check.fp32 = (relative_error(got.float(), ref), relative_error(want.float(), ref))
+
+
+@contextlib.contextmanager
+def _isolated(eager_forward):
+    """The verification's runs apart from the caller's autograd context: no saved-tensor hooks of
+    the caller's (an enclosing checkpoint would recompute itself to unpack them), and the module
+    not checkpointing itself (Hugging Face's ``gradient_checkpointing`` flag: a reentrant checkpoint
+    cannot be differentiated with ``torch.autograd.grad``; it changes no value)."""
+    module = getattr(eager_forward, "__self__", None)
+    flagged = [m for m in module.modules() if getattr(m, "gradient_checkpointing", None) is True] \
+        if isinstance(module, nn.Module) else []
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        with _compat._without_saved_tensors_hooks():
+            yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -272,3 +272,23 @@ def test_a_wrong_node_in_the_backward_graph_is_found(monkeypatch):
                                          r"blocks\.0[\w.]*\)\) of the backward graph"):
         got = _step(model, batch)
     _assert_same(got, _step(reference, batch))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_verification_under_gradient_checkpointing(reentrant):
+    """Hugging Face's gradient checkpointing (its layers checkpoint their own forward; a reentrant
+    checkpoint cannot be differentiated with autograd.grad, a non-reentrant one leaves saved-tensor
+    hooks in force): the checks run and pass, and training matches eager's."""
+    model, batch = _model("llama", dropout=0.1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()
+    reference = copy.deepcopy(model)
+    loracc.compile(model, backend="eager", verify=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_same(_step(model, batch), _step(reference, batch), tol=1e-4)
+    assert _loracc_warnings(caught) == []
+    checks = [v for r in model._loracc.regions for v in r.verifications]
+    assert checks and all(c.passed for c in checks)
+    layers = model.get_base_model().model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)  # put back
