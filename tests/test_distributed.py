@@ -305,15 +305,16 @@ def varying(rank, world, out, *, normalise=True, engine="ddp"):
             "shapes": list(local["input_ids"].shape)}
 
 
-def fsdp(rank, world, out, *, order="before", reshard_after_forward=True, mixed=False):
-    """FSDP2: ``fully_shard`` on each decoder layer and on the model, before or after compile."""
+def fsdp(rank, world, out, *, order="before", reshard_after_forward=True, mixed=False, dtype=torch.float32):
+    """FSDP2: ``fully_shard`` on each decoder layer and on the model, before or after compile; with
+    ``dtype=torch.bfloat16`` the base is bf16 and PEFT keeps the adapters fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     batches = [global_batch(s, 2 * world) for s in range(STEPS)]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
 
     def sharded(compiled):
-        model = fresh()
+        model = fresh(dtype=dtype)
         if compiled and order == "after":
             loracc.compile(model)
         for layer in model.base_model.model.model.layers:
@@ -404,6 +405,7 @@ SCENARIOS = {
     "fsdp_before": fsdp,
     "fsdp_after_keep": lambda r, w, o: fsdp(r, w, o, order="after", reshard_after_forward=False),
     "fsdp_mixed": lambda r, w, o: fsdp(r, w, o, mixed=True),
+    "fsdp_bf16_base": lambda r, w, o: fsdp(r, w, o, order="after", mixed=True, dtype=torch.bfloat16),
     "checkpoint_ddp": checkpoint,
     "checkpoint_fsdp": lambda r, w, o: checkpoint(r, w, o, engine="fsdp2"),
 }
@@ -488,12 +490,14 @@ def test_fsdp2_matches_single_process(world2, name):
 
 
 def test_fsdp2_mixed_precision(world2):
-    """MixedPrecisionPolicy(bf16 compute, fp32 reduction): loracc's loss and gradients match eager
-    PEFT under the same policy within bf16 tolerance, and the sharded adapters stay fp32. (The
+    """MixedPrecisionPolicy(bf16 compute, fp32 reduction), over an fp32 model and over a bf16 base
+    with fp32 adapters: loracc's loss and gradients match eager PEFT under the same policy within
+    bf16 tolerance, and the sharded adapters stay fp32. (The
     parameters after AdamW are not compared: its first steps move each weight by about ±lr, whose
     sign bf16 rounding flips for gradients near zero.)"""
-    for r in results(world2, "fsdp_mixed"):
-        assert r["grad"] <= 2e-2 and r["loss"] <= 2e-2 and r["param_dtype"] == "torch.float32", r
+    for name in ("fsdp_mixed", "fsdp_bf16_base"):  # fp32 model; bf16 base with fp32 adapters
+        for r in results(world2, name):
+            assert r["grad"] <= 2e-2 and r["loss"] <= 2e-2 and r["param_dtype"] == "torch.float32", (name, r)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
