@@ -5,7 +5,10 @@
   model already has: the only extra memory is one tensor of the file, never a full fp32 copy.
   Weights stored quantized in bitsandbytes' NF4 layout (``weight``, ``weight.absmax``,
   ``weight.quant_map``, ``weight.nested_absmax``, ``weight.nested_quant_map``,
-  ``weight.quant_state.bitsandbytes__nf4``) replace their linear layer by a ``loracc.quant.NF4Linear``.
+  ``weight.quant_state.bitsandbytes__nf4``) replace their linear layer by a ``loracc.quant.NF4Linear``;
+  FP8 weights (float8_e4m3fn ``weight`` with a per-channel ``weight_scale`` or a 128×128-block
+  ``weight_scale_inv``, as published FP8 checkpoints store them) by a ``loracc.quant.fp8.FP8Linear``
+  (an ``input_scale`` is read past: activations stay in the compute dtype).
 - ``save_adapter(model, directory)`` writes PEFT's format (``adapter_config.json`` +
   ``adapter_model.safetensors``) through a temporary directory swapped in at the end, so an
   interrupted save leaves the previous adapter whole.
@@ -76,14 +79,16 @@ def load_base_weights(model: nn.Module, path, *, strict: bool = True) -> LoadRep
         )
     with _open_all(files) as handles:
         file_keys = {key: handle for handle in handles for key in handle.keys()}
-        quantized = _quantized_weights(file_keys)
+        fp8 = _fp8_weights(file_keys)
+        quantized = _quantized_weights(file_keys) + list(fp8)
         parts = {part for key in quantized for part in _quant_parts(key, file_keys)}
         plain_keys = [k for k in file_keys if k not in parts and k not in quantized]
         rename = _key_mapping(plain_keys + list(quantized), targets, getattr(root, "base_model_prefix", ""))
         report = LoadReport(unexpected=[k for k in plain_keys + list(quantized) if rename(k) not in targets])
         plan = [(key, file_keys[key], rename(key)) for key in plain_keys if rename(key) in targets]
         # Quantized weights: read and checked against their quant state and their layer before anything changes.
-        swaps = [_quantized_layer(root, key, rename(key), file_keys) for key in quantized if rename(key) in targets]
+        swaps = [_fp8_layer(root, key, rename(key), fp8[key], file_keys) if key in fp8 else
+                 _quantized_layer(root, key, rename(key), file_keys) for key in quantized if rename(key) in targets]
         covered = {id(t) for _, _, name in plan for t in targets[name]}
         covered |= {id(t) for name in (rename(k) for k in quantized) if name in targets for t in targets[name]}
         report.missing = [n for n, ts in targets.items() if not all(id(t) in covered for t in ts)]
@@ -119,10 +124,46 @@ def _quantized_weights(file_keys) -> list[str]:
     return [k.split(marker)[0] for k in file_keys if marker in k]
 
 
+def _fp8_weights(file_keys) -> dict[str, str]:
+    """The checkpoint's FP8 weights: ``X.weight`` → its scale's name (``X.weight_scale_inv``: 128×128
+    blocks; ``X.weight_scale``: per channel)."""
+    found = {}
+    for key in file_keys:
+        for suffix in (".weight_scale_inv", ".weight_scale"):
+            if key.endswith(suffix) and f"{key.removesuffix(suffix)}.weight" in file_keys:
+                found[f"{key.removesuffix(suffix)}.weight"] = key
+    return found
+
+
 def _quant_parts(key: str, file_keys) -> list[str]:
+    """The tensors stored beside the quantized weight ``key`` (its quant state, or its FP8 scales)."""
     names = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+    module = key.removesuffix(".weight")
     return [f"{key}.{n}" for n in names if f"{key}.{n}" in file_keys] + [
-        k for k in file_keys if k.startswith(f"{key}.quant_state.")]
+        k for k in file_keys if k.startswith(f"{key}.quant_state.")] + [
+        f"{module}.{n}" for n in ("weight_scale", "weight_scale_inv", "input_scale") if f"{module}.{n}" in file_keys]
+
+
+def _fp8_layer(root: nn.Module, key: str, name: str, scale_key: str, file_keys):
+    """``(parent, attribute, FP8Linear)`` for the checkpoint's FP8 ``key``, checked against its scale and layer."""
+    from .quant.fp8 import BLOCK, FP8, FP8Linear, FP8Weight, check_scale
+
+    data, scale = _read(file_keys[key], key), _read(file_keys[scale_key], scale_key)
+    if data.dtype != FP8 or data.dim() != 2:
+        raise LoraccError(f"load_base_weights: {key} has a scale ({scale_key}) but is {data.dtype} of shape "
+                          f"{list(data.shape)}; loracc reads FP8 weights as 2-D float8_e4m3fn")
+    block = BLOCK if scale_key.endswith("_inv") else None
+    check_scale(key, data, scale, block)
+    parent, attr, layer = _module_of(root, name.removesuffix(".weight"))
+    if not isinstance(layer, nn.Linear) or tuple(data.shape) != (layer.out_features, layer.in_features):
+        raise LoraccError(f"load_base_weights: {key} has shape {list(data.shape)} but the model's {name} belongs to "
+                          f"{type(layer).__name__} {getattr(layer, 'out_features', '?')}x{getattr(layer, 'in_features', '?')}: "
+                          "the checkpoint is for another model or config")
+    device = layer.weight.device
+    compute = layer.weight.dtype if layer.weight.is_floating_point() else layer.compute_dtype
+    q = FP8Weight(data.to(device), scale.float().reshape(-1, 1).to(device) if block is None else scale.float().to(device),
+                  block, compute)
+    return parent, attr, FP8Linear(q, layer.bias, compute).train(layer.training)
 
 
 def _quantized_layer(root: nn.Module, key: str, name: str, file_keys):

@@ -295,3 +295,42 @@ def test_adapter_trained_on_a_quantized_base_loads_onto_peft_bitsandbytes(tmp_pa
     assert len(theirs) == len(ours) == 8
     for name, p in ours.items():
         assert torch.equal(theirs[name], p.detach()), name
+
+
+@pytest.mark.parametrize("block", [None, 128], ids=["channel", "block128"])
+def test_fp8_checkpoint_loads_into_fp8_layers(tmp_path, block):
+    from loracc.quant.fp8 import FP8Linear, quantize_fp8
+
+    source = llama(hidden=64)
+    tensors, decoded = {}, {}
+    for name, tensor in source.state_dict().items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            q = quantize_fp8(tensor, block)
+            tensors[name] = q.data
+            scale_name = name.removesuffix(".weight") + (".weight_scale" if block is None else ".weight_scale_inv")
+            tensors[scale_name] = q.scale
+            tensors[name.removesuffix(".weight") + ".input_scale"] = torch.tensor(1.0)
+            decoded[name] = q.dequantize(torch.float32)
+        else:
+            tensors[name] = tensor.clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = get_peft_model(llama(hidden=64), LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    report = load_base_weights(model, tmp_path)
+    assert not report.missing and not report.unexpected
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        plain = name.replace("base_model.model.", "").replace(".base_layer", "") + ".weight"
+        assert torch.equal(layer.dequantized_weight(), decoded[plain]), plain
+
+
+def test_fp8_scale_not_matching_its_weight_names_the_tensor(tmp_path):
+    from loracc.quant.fp8 import quantize_fp8
+
+    tensors = dict(llama(hidden=64).state_dict())
+    name = "model.layers.0.mlp.gate_proj.weight"
+    q = quantize_fp8(tensors[name], 128)
+    tensors[name], tensors["model.layers.0.mlp.gate_proj.weight_scale_inv"] = q.data, torch.ones(3, 3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(LoraccError, match=r"the scale of model\.layers\.0\.mlp\.gate_proj\.weight has shape \[3, 3\]"):
+        load_base_weights(llama(hidden=64), tmp_path)

@@ -15,7 +15,9 @@ then ``nested_quant_map[index] * nested_absmax[block] + offset`` (fp32).
 This is bitsandbytes' format value for value (its ``quantize_4bit`` / ``dequantize_4bit`` with
 ``quant_type="nf4"``, ``compress_statistics=True`` for double quantization), including
 ``QuantState.as_dict(packed=True)``, the layout its checkpoints store; bitsandbytes itself is never
-imported here.
+imported here. Decoding equals bitsandbytes' bit for bit. Quantizing picks the nearest code at
+every step, as bitsandbytes' torch backend does (its CPU C kernel for the nested 8-bit step may pick
+a neighbour for values near a midpoint).
 """
 from __future__ import annotations
 
