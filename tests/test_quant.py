@@ -270,7 +270,7 @@ def test_the_decoded_weight_is_recomputed_never_saved():
 # Models loaded with bitsandbytes 4-bit --------------------------------------------------------------
 
 
-def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64):
+def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64, prepare=False):
     """A tiny decoder whose frozen linears are ``bnb.nn.Linear4bit`` (as ``load_in_4bit`` builds them), under
     PEFT's 4-bit LoRA layers. Sizes are multiples of 64: bitsandbytes' CPU C kernel of 0.50 misreads rows of
     other lengths (see ``_bnb_dequantize``), and this model runs bitsandbytes' own CPU path eagerly."""
@@ -288,6 +288,10 @@ def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64
                     layer.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
                 setattr(parent, name, layer.to("cpu"))
     base.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets: PEFT picks its 4-bit layers
+    if prepare:  # QLoRA scripts' next line: fp32 norms, gradient checkpointing, input gradients
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base)
     return presets.with_lora(base), presets.token_batch(base.config.vocab_size)
 
 
@@ -309,11 +313,12 @@ def test_bitsandbytes_nf4_layers_are_adopted_over_the_same_tensors(double_quant)
     assert not any(type(m).__name__ == "Linear4bit" and not hasattr(m, "lora_A") for m in model.modules())
 
 
-@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
-def test_adopted_bitsandbytes_model_compiled_matches_peft_bitsandbytes(double_quant):
+@pytest.mark.parametrize("double_quant, prepare", [(False, False), (True, False), (True, True)],
+                         ids=["single", "double", "double-prepared"])
+def test_adopted_bitsandbytes_model_compiled_matches_peft_bitsandbytes(double_quant, prepare):
     from loracc.quant import bnb as adopt_bnb
 
-    eager, batch = _bnb_model(double_quant=double_quant)
+    eager, batch = _bnb_model(double_quant=double_quant, prepare=prepare)
     compiled = copy.deepcopy(eager)
     adopt_bnb.adopt(compiled)
     compiled = loracc.compile(compiled, backend="eager")
