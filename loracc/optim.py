@@ -248,7 +248,8 @@ class FusedAdamW(torch.optim.Optimizer):
         for buffer in buffers:
             for i, p in enumerate(buffer.params):
                 self.state[p] = buffer.state(i)
-            _compile_ahead(buffer.data)
+            if self.state_dtype == "fp32":  # the 8-bit kernel compiles at the first step
+                _compile_ahead(buffer.data)
         self._flat_buffers.append(buffers)
 
     def flat_grads(self, group_index: int | None = None) -> list[Tensor]:
