@@ -459,3 +459,10 @@ def test_bf16_quantized_model_matches_eager_within_bf16_noise(fmt):
     for (name, p), (_, q) in zip(model.named_parameters(), compiled.named_parameters()):
         if p.requires_grad:
             assert rel_err(q.grad, p.grad) <= 2e-2, name
+
+
+def test_fp8_tiled_decode_equals_the_expanded_one():
+    from loracc.quant.fp8 import _expand, quantize_fp8
+
+    q = quantize_fp8(torch.randn(256, 384), 128)
+    assert torch.equal(q.dequantize(torch.float32), q.data.float() * _expand(q.scale, 128, (256, 384)))

@@ -71,6 +71,12 @@ def _expand(scale: Tensor, block: int | None, shape) -> Tensor:
 
 def dequantize_fp8(data: Tensor, scale: Tensor, block: int | None, dtype: torch.dtype) -> Tensor:
     """``fp8 · scale`` in fp32, rounded once to ``dtype``."""
+    out, inp = data.shape
+    if block is None:
+        return (data.float() * scale.float().reshape(-1, 1)).to(dtype)
+    if out % block == 0 and inp % block == 0:  # the scales broadcast over tiles: no full-size scale tensor
+        tiles = data.float().view(out // block, block, inp // block, block) * scale.float()[:, None, :, None]
+        return tiles.view(out, inp).to(dtype)
     return (data.float() * _expand(scale.float(), block, data.shape)).to(dtype)
 
 
