@@ -8,8 +8,8 @@ global batch. ``--engine`` picks how the ranks share the work:
 - ``ddp``: ``DistributedDataParallel(loracc.compile(model), gradient_as_bucket_view=True)``;
 - ``fsdp2``: ``loracc.compile(model)``, then ``fully_shard`` on every decoder layer and the model
   (the frozen base sharded; bf16 compute with fp32 reduction when the model is bf16);
-- ``flat``: no wrapper: ``loracc.FusedAdamW`` and one all-reduce per flat gradient buffer after the
-  backward (``loracc.distributed.all_reduce_gradients``);
+- ``flat``: no wrapper: ``loracc.FusedAdamW``, whose flat gradient buffer is all-reduced in slices
+  launched during the backward (``loracc.distributed.FlatGradientSync``);
 - ``trainer``, ``sft``: Hugging Face ``Trainer`` or TRL's ``SFTTrainer`` (DDP, or FSDP2 with
   ``--fsdp``) on the compiled model.
 
@@ -43,7 +43,7 @@ import transformers  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 import loracc  # noqa: E402
-from loracc.distributed import all_reduce_gradients, global_num_items  # noqa: E402
+from loracc.distributed import FlatGradientSync, global_num_items  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "support_train.csv"
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -202,14 +202,15 @@ def prepare(args, model):
 
 
 def wrap(args, model, device):
-    """``(module to call, module holding the parameters, optimizer)`` for the engine."""
+    """``(module to call, module holding the parameters, optimizer, gradient sync)`` for the engine;
+    the sync is a FlatGradientSync for ``flat``, else None (the engine reduces the gradients)."""
     model = prepare(args, model)
     params = [p for p in model.parameters() if p.requires_grad]
     if args.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         net = DDP(model, device_ids=None if args.cpu else [device], gradient_as_bucket_view=True)
-        return net, model, torch.optim.AdamW(params, lr=args.lr)
+        return net, model, torch.optim.AdamW(params, lr=args.lr), None
     if args.engine == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -220,17 +221,18 @@ def wrap(args, model, device):
         fully_shard(model, mp_policy=policy)
         if args.meta_init:
             materialize(model, device)
-        return model, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+        return model, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr), None
     # flat: the parameters start equal everywhere (same seed); make sure, once
     for p in params:
         dist.broadcast(p.data, 0)
-    return model, model, loracc.FusedAdamW(params, lr=args.lr)
+    optimizer = loracc.FusedAdamW(params, lr=args.lr)
+    return model, model, optimizer, FlatGradientSync(optimizer)
 
 
 def train(args, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args, device)
-    net, inner, optimizer = wrap(args, model, device)
+    net, inner, optimizer, sync = wrap(args, model, device)
     batches = global_batches(sequences(args.seq_len), args.batch_size * world, args.seed)
     if rank == 0:
         trainable = sum(p.numel() for p in inner.parameters() if p.requires_grad)
@@ -246,8 +248,8 @@ def train(args, device):
         n = global_num_items(ids)
         loss = net(input_ids=ids, labels=ids, num_items_in_batch=n).loss * world
         loss.backward()
-        if args.engine == "flat":
-            all_reduce_gradients(optimizer)
+        if sync is not None:
+            sync.wait()
         norm = torch.nn.utils.clip_grad_norm_([p for p in inner.parameters() if p.requires_grad], args.max_grad_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
         optimizer.step()

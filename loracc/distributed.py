@@ -14,10 +14,14 @@ What this module adds:
 
 - :func:`global_num_items`: the loss normaliser for ranks whose batches hold different numbers of
   label tokens, so that data-parallel gradients equal the single-process ones on the global batch;
-- :func:`all_reduce_gradients`: the alternative to DDP for a model trained with
-  :class:`loracc.FusedAdamW`: one all-reduce per flat gradient buffer after the backward.
+- :class:`FlatGradientSync`: the alternative to DDP for a model trained with
+  :class:`loracc.FusedAdamW`: all-reduces on slices of its flat gradient buffers, launched during
+  the backward as each slice's gradients are complete.
 """
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -73,27 +77,118 @@ def global_num_items(labels: torch.Tensor, *, shift: bool = True, ignore_index: 
     return count.to(labels.device)
 
 
-@torch.no_grad()
-def all_reduce_gradients(optimizer, group=None) -> None:
-    """Average the gradients of ``optimizer`` (a :class:`loracc.FusedAdamW`) over the ranks of ``group``.
+class FlatGradientSync:
+    """Average a :class:`loracc.FusedAdamW`'s gradients over the ranks, overlapped with the backward.
 
-    For a model that is *not* wrapped in DDP: call it after the backward (after the last micro-batch
-    when accumulating) and before ``optimizer.step()``. It is one ``all_reduce`` per flat gradient
-    buffer (one per param group, device and dtype), not one per parameter; it does not overlap the
-    backward, as DDP's buckets do. A parameter without a gradient gets zeros (as under DDP) and is
-    then stepped on every rank alike. Every rank must call it, with the same parameters in the
-    optimizer. The parameters must start equal on every rank: initialise them from the same seed, or
-    broadcast them once (``for p in params: torch.distributed.broadcast(p.data, 0)``).
+    The alternative to DDP for a model that is *not* wrapped in it: the all-reduces run on slices of
+    FusedAdamW's flat gradient buffers, so no gradient is copied to or from a communication bucket.
+    Each flat buffer is cut into buckets of consecutive parameters (about ``bucket_bytes``); a
+    bucket's all-reduce is launched (asynchronously) as soon as every parameter in it has its
+    gradient, so the buckets of the last layers are reduced while the backward of the first runs::
+
+        optimizer = loracc.FusedAdamW(params, lr=...)
+        sync = loracc.distributed.FlatGradientSync(optimizer)   # after the optimizer
+        for micro in micro_batches[:-1]:
+            with sync.no_sync():
+                model(**micro).loss.backward()
+        model(**micro_batches[-1]).loss.backward()
+        sync.wait()                                              # every gradient averaged
+        optimizer.step(); optimizer.zero_grad()
+
+    Contract: build it after the optimizer (its hooks must run after FusedAdamW's, which put each
+    gradient into the flat buffer); one backward between ``wait()`` calls outside ``no_sync()``;
+    every rank gives gradients to the same parameters in every step (the buckets launched during
+    the backward are then the same, in the same order, everywhere). A parameter without a gradient
+    gets zeros, as under DDP. The parameters must start equal on every rank: the same seed, or one
+    ``torch.distributed.broadcast(p.data, 0)`` each.
     """
-    _require_process_group("all_reduce_gradients", group)
-    if not hasattr(optimizer, "flat_grads"):
-        raise LoraccError(
-            "loracc.distributed.all_reduce_gradients needs a loracc.FusedAdamW, whose gradients live in flat "
-            f"buffers; got {type(optimizer).__name__}: wrap the model in DistributedDataParallel instead")
-    nccl = dist.get_backend(group) == "nccl"
-    for grads in optimizer.flat_grads():
-        if nccl:
-            dist.all_reduce(grads, op=dist.ReduceOp.AVG, group=group)
-        else:  # gloo has no ReduceOp.AVG
-            dist.all_reduce(grads, op=dist.ReduceOp.SUM, group=group)
-            grads.div_(dist.get_world_size(group))
+
+    def __init__(self, optimizer, *, bucket_bytes: int = 25 * 2**20, group=None):
+        _require_process_group("FlatGradientSync", group)
+        if not hasattr(optimizer, "flat_grads"):
+            raise LoraccError(
+                "loracc.distributed.FlatGradientSync needs a loracc.FusedAdamW, whose gradients live in flat "
+                f"buffers; got {type(optimizer).__name__}: wrap the model in DistributedDataParallel instead")
+        self.group, self.world = group, dist.get_world_size(group)
+        self.nccl = dist.get_backend(group) == "nccl"
+        self.enabled = True
+        self.buckets: list[_Bucket] = []
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        with torch.no_grad():
+            flats = optimizer.flat_grads()  # every trainable .grad is now a view of one of them
+        for flat in flats:
+            base = flat.untyped_storage().data_ptr()
+            mine = sorted((p for p in params if p.grad.untyped_storage().data_ptr() == base),
+                          key=lambda p: p.grad.storage_offset())
+            current: list = []
+            for p in mine:
+                if current and (p.grad.storage_offset() + p.numel() - current[0].grad.storage_offset()) \
+                        * flat.element_size() > bucket_bytes:
+                    self._add(flat, current)
+                    current = []
+                current.append(p)
+            if current:
+                self._add(flat, current)
+
+    def _add(self, flat: torch.Tensor, params: list) -> None:
+        lo = params[0].grad.storage_offset() - flat.storage_offset()
+        hi = params[-1].grad.storage_offset() - flat.storage_offset() + params[-1].numel()
+        bucket = _Bucket(flat[lo:hi], [(p, p.grad) for p in params])
+        self.buckets.append(bucket)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._hook(bucket, p.grad))
+
+    def _hook(self, bucket: "_Bucket", view: torch.Tensor):
+        def ready(param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                raise LoraccError("loracc.distributed.FlatGradientSync: a gradient is not in FusedAdamW's flat "
+                                  "buffer; build FlatGradientSync after the optimizer, and the optimizer after "
+                                  "moving the model to its device and dtype")
+            bucket.ready += 1
+            if bucket.ready > len(bucket.params):
+                raise LoraccError("loracc.distributed.FlatGradientSync: a second backward before wait(): run the "
+                                  "earlier micro-batches of a step under sync.no_sync()")
+            if bucket.ready == len(bucket.params):
+                bucket.work = self._launch(bucket.grads)
+
+        return ready
+
+    def _launch(self, grads: torch.Tensor):
+        op = dist.ReduceOp.AVG if self.nccl else dist.ReduceOp.SUM  # gloo has no ReduceOp.AVG
+        return dist.all_reduce(grads, op=op, group=self.group, async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate gradients without communicating."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Launch what the backward did not (buckets with a parameter without a gradient: zeros), wait
+        for every all-reduce, and leave the average in the flat buffers. Every rank must call it."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                for p, view in bucket.params:
+                    if p.grad is None:
+                        view.zero_()
+                        p.grad = view
+                bucket.work = self._launch(bucket.grads)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            if not self.nccl:
+                bucket.grads.div_(self.world)
+            bucket.work, bucket.ready = None, 0
+
+
+@dataclass
+class _Bucket:
+    grads: torch.Tensor  # a slice of a flat gradient buffer
+    params: list  # (parameter, its gradient's view in the flat buffer)
+    ready: int = 0
+    work: object = None

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import loracc
-from loracc.distributed import all_reduce_gradients, global_num_items
+from loracc.distributed import FlatGradientSync, global_num_items
 from loracc.presets import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +193,7 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
     ref_losses, ref_grads, ref_params = reference_run(batches)
 
     model = fresh()
-    if wrap == "none":  # no DDP: FusedAdamW's flat gradient buffers, all-reduced after the backward
+    if wrap == "none":  # no DDP: FlatGradientSync over FusedAdamW's flat gradient buffers
         net = loracc.compile(model)
     elif ddp_args.get("find_unused_parameters"):
         model.base_model.model.unused_adapter = torch.nn.Linear(3, 3)  # trainable, never called
@@ -203,19 +203,22 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
         net = loracc.compile(DDP(model, **ddp_args))
     opt_class = loracc.FusedAdamW if optimizer == "fused" else torch.optim.AdamW
     opt = opt_class(list(trainable(model).values()), lr=LR)
-    losses, grad_error = [], None
+    syncs = net
+    if wrap == "none":
+        syncs = flat = FlatGradientSync(opt, bucket_bytes=4096)  # a few buckets per layer
+    losses, grad_error, launched = [], None, []
     for step in range(STEPS):
         first = (rank * accumulate) * micro_rows
         total = 0.0
         for i in range(accumulate):
-            sync = contextlib.nullcontext() if i == accumulate - 1 or wrap == "none" else net.no_sync()
-            with sync:
+            with contextlib.nullcontext() if i == accumulate - 1 else syncs.no_sync():
                 loss = net(**rows_of(batches[step], first + i * micro_rows, micro_rows)).loss / accumulate
                 loss.backward()
             total += loss.item()
         losses.append(global_mean(total))
         if wrap == "none":
-            all_reduce_gradients(opt)
+            launched.append(sum(b.work is not None for b in flat.buckets))  # during the backward
+            flat.wait()
         if step == 0:
             got = grads(model)
             unused = got.pop("base_model.model.unused_adapter.weight", None), got.pop("base_model.model.unused_adapter.bias", None)
@@ -228,7 +231,8 @@ def ddp(rank, world, out, *, wrap="ddp(compile)", optimizer="adamw", accumulate=
     report = loracc.explain(net if wrap == "compile(ddp)" else model)
     return {"grad": grad_error, "param": worst(got, ref_params),
             "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "unused_grad": unused_grad, "fallbacks": "fallbacks to eager: none" not in str(report)}
+            "unused_grad": unused_grad, "fallbacks": "fallbacks to eager: none" not in str(report),
+            "launched": launched, "buckets": len(flat.buckets) if wrap == "none" else None}
 
 
 def overlap(rank, world, out):
@@ -442,10 +446,14 @@ def test_ddp_bucket_view_with_fused_adamw(world2):
     _parity(results(world2, "bucket_view_fused"))
 
 
-def test_flat_buffer_all_reduce_without_ddp(world2):
-    """No DDP: loracc.FusedAdamW with all_reduce_gradients after two accumulated micro-batches, one
-    all-reduce per flat buffer: the same steps as a single process."""
-    _parity(results(world2, "flat_all_reduce"))
+def test_flat_gradient_sync_without_ddp(world2):
+    """No DDP: loracc.FusedAdamW with FlatGradientSync, two micro-batches (the first under its
+    no_sync()): the same steps as a single process, and all-reduces of the flat buffer's slices
+    launched during the last backward (every bucket, since every parameter gets a gradient)."""
+    found = results(world2, "flat_all_reduce")
+    _parity(found)
+    for r in found:
+        assert r["buckets"] >= 3 and r["launched"] == [r["buckets"]] * STEPS, r
 
 
 def test_ddp_no_sync_accumulation(world2):
@@ -544,13 +552,16 @@ def test_helpers_need_a_process_group():
     with pytest.raises(loracc.LoraccError, match="init_process_group"):
         global_num_items(torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(loracc.LoraccError, match="init_process_group"):
-        all_reduce_gradients(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))]))
+        FlatGradientSync(loracc.FusedAdamW([torch.nn.Parameter(torch.randn(3))]))
 
 
 def test_helpers_in_a_single_rank_group(tmp_path):
-    """World size 1: global_num_items counts the shifted labels that are not -100; all_reduce_gradients
-    refuses an optimizer without flat buffers, naming what to do instead."""
+    """World size 1: global_num_items counts the shifted labels that are not -100; FlatGradientSync
+    refuses an optimizer without flat buffers and a second backward outside no_sync(), naming what
+    to do instead, and leaves the gradients of one backward as they are."""
     import torch.distributed as dist
+
+    from loracc.presets import plain
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -560,7 +571,18 @@ def test_helpers_in_a_single_rank_group(tmp_path):
         assert global_num_items(labels).item() == 3 * 8 - 5
         assert global_num_items(labels, shift=False).item() == 3 * 9 - 6
         with pytest.raises(loracc.LoraccError, match="FusedAdamW"):
-            all_reduce_gradients(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))]))
+            FlatGradientSync(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))]))
+
+        model, batch = plain()
+        optimizer = loracc.FusedAdamW([p for p in model.parameters() if p.requires_grad])
+        sync = FlatGradientSync(optimizer, bucket_bytes=1024)
+        model(**batch).backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        sync.wait()
+        assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters() if p.requires_grad)
+        with pytest.raises(loracc.LoraccError, match="no_sync"):
+            model(**batch).backward()
+            model(**batch).backward()
     finally:
         dist.destroy_process_group()
 
@@ -594,10 +616,10 @@ def one_process(tmp_path_factory):
     return torchrun(1, tmp_path_factory.mktemp("one") / "adapter", "--engine", "ddp", "--batch-size", "8")
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "trainer", "sft"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "flat", "trainer", "sft"])
 def test_example_two_processes_equal_one(engine, one_process, tmp_path):
     """``torchrun --nproc_per_node=2 examples/finetune_distributed.py --tiny --cpu``, 4 rows per rank:
-    the plain loop under DDP or FSDP2, Hugging Face Trainer and TRL's SFTTrainer (with its default
+    the plain loop under DDP, FSDP2 or FlatGradientSync, Hugging Face Trainer and TRL's SFTTrainer (with its default
     gradient checkpointing; both DDP over gloo, use_cpu) print the losses and gradient norms of one
     process on the global batch, and rank 0 saves the same adapter."""
     steps, adapter = torchrun(2, tmp_path / "adapter", "--engine", engine, "--batch-size", "4")
