@@ -619,9 +619,9 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "flat", "trainer", "sft"])
 def test_example_two_processes_equal_one(engine, one_process, tmp_path):
     """``torchrun --nproc_per_node=2 examples/finetune_distributed.py --tiny --cpu``, 4 rows per rank:
-    the plain loop under DDP, FSDP2 or FlatGradientSync, Hugging Face Trainer and TRL's SFTTrainer (with its default
-    gradient checkpointing; both DDP over gloo, use_cpu) print the losses and gradient norms of one
-    process on the global batch, and rank 0 saves the same adapter."""
+    the plain loop under DDP, FSDP2 or FlatGradientSync, Hugging Face Trainer and TRL's SFTTrainer
+    (with its default gradient checkpointing; both DDP over gloo, use_cpu) print the losses and
+    gradient norms of one process on the global batch, and rank 0 saves the same adapter."""
     steps, adapter = torchrun(2, tmp_path / "adapter", "--engine", engine, "--batch-size", "4")
     reference_steps, reference_adapter = one_process
     for step, (got, ref) in enumerate(zip(steps, reference_steps)):
