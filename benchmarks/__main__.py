@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "fused-rows": ("fused_rows", "the fused pointwise/reduction kernels' bandwidth, and the step with and without them"),
     "lora-linear": ("lora_linear", "one LoRA linear, forward + backward, against the frozen GEMMs and PEFT"),
     "lora-linear-profile": ("lora_linear_profile", "GPU time of each kernel of one LoRA linear"),
+    "quant-linear": ("quant_linear", "an NF4 / FP8 frozen linear (decode + GEMM, forward and input gradient) against bf16"),
     "memory": ("memory_budget", "peak memory and tokens/s against loracc's memory budget"),
     "first-call": ("first_call_host", "host time of loracc's first training call, by pipeline stage"),
     "parity": ("parity_gpu", "GPU parity of loracc against eager PEFT in bf16"),

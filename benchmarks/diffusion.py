@@ -116,3 +116,16 @@ def positions(spec: dict) -> int:
     if spec["kind"] == "unet":
         return (spec["image_side"] // 8) ** 2
     return (spec["image_side"] // 16) ** 2 + spec["text_tokens"]
+
+
+def counted_flops(spec: dict, batch: int, build_fn) -> float:
+    """FLOPs of one training step (forward and backward of the LoRA model, frozen weights getting no
+    gradient), counted by ``torch.utils.flop_counter`` on the meta device (no memory, no compute):
+    ``build_fn("meta")`` builds the model. Attention counts as its matrix products."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_fn("meta")
+    step_inputs = inputs(spec, batch, "meta", 0)
+    with FlopCounterMode(display=False) as counter:
+        loss(model, step_inputs).backward()
+    return float(counter.get_total_flops())

@@ -1,7 +1,7 @@
 """A quantized frozen linear alone, forward and input gradient, at Llama-3-8B's projection shapes.
 
-    PYTHONPATH=. python benchmarks/quant_linear.py [--tokens 2048] [--out FILE.json]
-    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/quant_linear.py --tiny     # CPU check of the script
+    python -m benchmarks quant-linear [--tokens 2048] [--out FILE.json]
+    TRITON_INTERPRET=1 python -m benchmarks quant-linear --tiny     # CPU check of the script
 
 Per projection (q, k, v, o, gate, up, down of Llama-3-8B; ``--tokens`` rows of bf16 input), the
 median milliseconds of ``y = x @ Wᵀ`` then ``dx = dy @ W`` (what a frozen base costs per step) for:
@@ -23,17 +23,14 @@ Writes the harness's record to ``--out``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import harness  # noqa: E402
-from loracc.ops import dequant_fp8, dequant_nf4  # noqa: E402
-from loracc.quant.fp8 import FP8, quantize_fp8  # noqa: E402
-from loracc.quant.nf4 import dequantize_nf4, quantize_nf4  # noqa: E402
+from benchmarks import harness
+from loracc.ops import dequant_fp8, dequant_nf4
+from loracc.quant.fp8 import FP8, quantize_fp8
+from loracc.quant.nf4 import dequantize_nf4, quantize_nf4
 
 LLAMA_3_8B = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
               "gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_proj": (14336, 4096)}
@@ -118,16 +115,17 @@ def run(args) -> dict:
     return {"run": harness.provenance(cuda, dtype=str(dtype), tokens=tokens), "records": records}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU check of the script")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     report = run(args)
-    out = harness.write(args.out or harness.default_out("quant_linear"), report["run"], report["records"])
+    out = harness.write(args.out or harness.default_out("quant-linear"), report["run"], report["records"])
     print(f"results: {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -159,6 +159,15 @@ def run_worker(args, progress=None, ready: float | None = None, imported: float 
                 record.update(train(model, peft_model, argparse.Namespace(**{**vars(args), "seq": seq}), device, at))
             if args.method.startswith("loracc"):
                 record["notes"] = _loracc_notes(peft_model, budget)
+            if kind(args.workload) != "causal-lm" and record.get("status") == "ok":
+                # No closed form as for the decoders: the step's FLOPs counted on the meta device, for MFU.
+                at("flop count")
+                spec = WORKLOADS[args.workload]
+                try:
+                    flops = diffusion.counted_flops(spec, args.batch, lambda d: diffusion.build(spec, d, SEED, LORA_R))
+                    record["flops_per_token"] = flops / (args.batch * seq)
+                except Exception as exc:  # noqa: BLE001 (the row's timing stands; only its MFU is missing)
+                    record["flops_error"] = f"{type(exc).__name__}: {exc}"[:300]
         except Exception as exc:  # noqa: BLE001
             record.update(_failure(exc, progress.stage))
         records.append(record)
@@ -485,7 +494,8 @@ def main(argv=None) -> int:
             for row in rows:
                 # A varying-length row has no one sequence length to count attention at: no MFU.
                 varying = "varlen" in WORKLOADS[row["workload"]]
-                row["flops_per_token"] = None if varying else flops_per_token(row["workload"], row["seq"])
+                if row.get("flops_per_token") is None:  # a diffusion worker counted its own
+                    row["flops_per_token"] = None if varying else flops_per_token(row["workload"], row["seq"])
                 rate = run["matmul_tflops"]
                 row["mfu"] = (row["flops_per_token"] * row["tokens_per_s"] / (rate * 1e12)
                               if row.get("tokens_per_s") and rate and row["flops_per_token"] else None)

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-from benchmarks import harness, report, runner, step, varlen, workloads  # noqa: E402
+from benchmarks import diffusion, harness, report, runner, step, varlen, workloads  # noqa: E402
 
 BENCH = [sys.executable, "-m", "benchmarks"]
 
@@ -628,6 +628,12 @@ def test_other_workloads_train_and_match_eager(workload):
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     if workloads.kind(workload) != "causal-lm":
         assert compiled["images_per_s"] == pytest.approx(workloads.WORKLOADS[workload]["batch"] / compiled["step_ms"] * 1e3)
+        # FLOPs counted on the meta device: at least the frozen weights' forward and input gradient.
+        spec = workloads.WORKLOADS[workload]
+        model = diffusion.build(spec, "meta", 0, 16)
+        frozen = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "lora_" not in n)
+        assert compiled["flops_per_token"] == eager["flops_per_token"] > 0
+        assert compiled["flops_per_token"] * spec["batch"] * spec["seq"] > 4 * frozen * spec["batch"]
     assert "fallbacks to eager: none" in compiled["notes"], compiled["notes"]
 
 
@@ -654,8 +660,6 @@ def test_real_shapes_of_the_other_workloads():
     assert workloads.applies("peft-liger", "sdxl-unet") and workloads.applies("unsloth", "llama-3-8b-nf4")
     assert workloads.applies("loracc", "flux-dev") is None and workloads.flops_per_token("qwen3-moe", 2048) is None
     assert workloads.WORKLOADS["sdxl-unet"]["seq"] == 128 * 128 and workloads.WORKLOADS["flux-dev"]["seq"] == 4096 + 512
-    from benchmarks import diffusion
-
     import diffusers
 
     with torch.device("meta"):
