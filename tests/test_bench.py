@@ -388,7 +388,8 @@ def test_varlen_layouts_hold_the_same_sequences():
     assert all(sum(row) <= 4096 for step_rows in packed for row in step_rows) and len(packed) >= 60
     [mean_width] = set(varlen.shapes("qwen2-0.5b-fixed-mean"))
     assert mean_width[0] * mean_width[1] == pytest.approx(sum(sequences) / len(padded), abs=mean_width[0])
-    assert set(varlen.shapes("qwen2-0.5b-longest")) == {(8, max(sequences))}
+    per_step = workloads.WORKLOADS["qwen2-0.5b-varlen"]["varlen"]["sequences_per_step"]
+    assert set(varlen.shapes("qwen2-0.5b-longest")) == {(per_step, max(sequences))}
     assert len(set(varlen.shapes("qwen2-0.5b-varlen"))) > 30  # nearly every padded step has a new shape
 
 
@@ -419,7 +420,7 @@ def test_max_len_clips_every_layout(monkeypatch):
     workloads.set_max_len(512)
     assert max(w for _, w in varlen.shapes("qwen2-0.5b-varlen")) <= 512
     assert set(varlen.shapes("qwen2-0.5b-packed")) == {(1, 512)}
-    assert set(varlen.shapes("qwen2-0.5b-longest")) == {(8, 512)}
+    assert set(varlen.shapes("qwen2-0.5b-longest")) == {(workloads.WORKLOADS["qwen2-0.5b-longest"]["batch"], 512)}
     with pytest.raises(ValueError, match="--max-len"):
         workloads.set_max_len(1)
 
