@@ -292,3 +292,35 @@ def test_verification_under_gradient_checkpointing(reentrant):
     assert checks and all(c.passed for c in checks)
     layers = model.get_base_model().model.layers
     assert all(layer.gradient_checkpointing for layer in layers)  # put back
+
+
+def test_a_wrong_symbolic_program_is_caught_at_its_first_call(monkeypatch):
+    """A bug only in the program with symbolic sizes (the one that serves every later length): the
+    static program passes, the symbolic one is caught at its first call, the region then runs eagerly."""
+    from types import SimpleNamespace
+
+    from loracc import runtime
+
+    real_compile_call = runtime.compile_call
+
+    def compile_call(*args, dynamic=False, **kwargs):
+        program = real_compile_call(*args, dynamic=dynamic, **kwargs)
+        if dynamic:  # the eager backend runs the backward graph itself
+            _flip_first_gradient(SimpleNamespace(gm=program.backward))
+        return program
+
+    monkeypatch.setattr(runtime, "compile_call", compile_call)
+    model, batch = _model("plain")
+    reference = copy.deepcopy(model)
+    loracc.compile(model, backend="eager", verify=True)
+    (region,) = model._loracc.regions
+    for rows in (9, 7, 5):
+        sized = {"x": batch["x"][:, :rows], "target": batch["target"][:, :rows]}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _assert_same(_step(model, sized), _step(reference, sized))
+        if rows == 9:
+            assert _loracc_warnings(caught) == [] and all(v.passed for v in region.verifications)
+    assert region.mismatch is not None
+    failed = [v for v in region.verifications if not v.passed]
+    assert len(failed) == 1 and failed[0].dynamic
