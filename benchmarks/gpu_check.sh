@@ -16,7 +16,8 @@
 #        torch.compile on the padded layout; the same with dynamic=True; both on the packed layout.
 #        MAXLEN=1024 clips the lengths.
 # moe, nf4, sdxl, flux: the Qwen3-MoE-shaped, Llama-3-8B NF4-base (PEFT + bitsandbytes, eager PEFT over
-#        loracc's NF4 layers, loracc), SDXL UNet 1024² and Flux-dev-shaped (3+6 blocks) step rows.
+#        loracc's NF4 layers, loracc with and without an 8GB budget; and loracc on the bf16 base), SDXL
+#        UNet 1024² and Flux-dev-shaped (3+6 blocks) step rows; each part under ~10 minutes.
 # Results go under $OUT (default ./gpu-check-out). Liger's wheel is installed from .whl/ when it is
 # there (carry it to the GPU machine); it must go through `python -m pip`, the interpreter the
 # benchmark workers run.
@@ -68,13 +69,19 @@ for part in "${@:-tests}"; do
         BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step --varlen $what ${MAXLEN:+--max-len $MAXLEN} \
             --timeout 540 --deadline 570 --out "$OUT/$part.json" 2>&1 | grep -A40 "^summary" ;;
     moe|nf4|sdxl|flux)
+        limit=590
         case $part in
         moe)  what="--workload qwen3-moe --method peft-eager,peft-compile,loracc" ;;
-        nf4)  what="--workload llama-3-8b-nf4 --method peft-bnb,peft-eager,loracc,loracc-bnb" ;;
+        nf4)  what="--workload llama-3-8b-nf4 --method peft-bnb,peft-eager,loracc,loracc-bnb,loracc-8gb"
+              # loracc on the bf16 base in the same call: the NF4 base's cost against it
+              BENCH_GIT_COMMIT=$commit timeout 200 python -m benchmarks step --workload llama-3-8b --method loracc \
+                  --no-warm --timeout 180 --out "$OUT/nf4-bf16-base.json" 2>&1 | grep -A3 "^summary"
+              limit=390 ;;
         sdxl) what="--workload sdxl-unet --method peft-eager,peft-hf-ckpt,peft-compile,loracc" ;;
         flux) what="--workload flux-dev-small --method peft-eager,peft-compile,loracc" ;;
         esac
-        BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step $what --no-warm --timeout 400 --deadline 570 \
+        BENCH_GIT_COMMIT=$commit timeout $limit python -m benchmarks step $what --no-warm --timeout $((limit - 90)) \
+            --deadline $((limit - 20)) \
             --out "$OUT/$part.json" 2>&1 | grep -A30 "^summary" ;;
     lora)
         BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks lora-linear --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
