@@ -466,3 +466,45 @@ def test_fp8_tiled_decode_equals_the_expanded_one():
 
     q = quantize_fp8(torch.randn(256, 384), 128)
     assert torch.equal(q.dequantize(torch.float32), q.data.float() * _expand(q.scale, 128, (256, 384)))
+
+
+# On a GPU ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("source", ["loracc.quantize", "bitsandbytes"])
+def test_gpu_nf4_compiled_matches_eager_in_bf16(source):
+    """bf16 on the GPU, Triton backend: the compiled step against the same quantized model run
+    eagerly (PEFT over loracc's NF4 layers, or PEFT + bitsandbytes' own CUDA path)."""
+    if source == "bitsandbytes":
+        bnb = pytest.importorskip("bitsandbytes")
+        base = presets.hf_decoder("llama", layers=2, hidden=256, intermediate=512, dtype=torch.bfloat16).cuda()
+        for parent in list(base.model.layers.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                              compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+                    layer.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4",
+                                                     compress_statistics=True)
+                    setattr(parent, name, layer.cuda())
+        base.is_loaded_in_4bit = True
+        eager = presets.with_lora(base)
+    else:
+        eager = presets.with_lora(presets.hf_decoder("llama", layers=2, hidden=256, intermediate=512,
+                                                     dtype=torch.bfloat16).cuda())
+        loracc.quantize(eager, "nf4", double_quant=True)
+    batch = {k: v.cuda() for k, v in presets.token_batch(101, batch=2, seq=64).items()}
+    compiled = copy.deepcopy(eager)
+    if source == "bitsandbytes":
+        from loracc.quant import bnb as adopt_bnb
+
+        assert adopt_bnb.adopt(compiled) == []
+    compiled = loracc.compile(compiled, backend="auto")
+    for _ in range(2):  # the second call runs the compiled (and possibly CUDA-graphed) step
+        eager.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
+        loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+        assert rel_err(loss_c, loss_e) <= 2e-2
+        for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+            if p.requires_grad:
+                assert rel_err(q.grad, p.grad) <= 2e-2, name
