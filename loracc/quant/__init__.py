@@ -1,7 +1,11 @@
-"""Quantized frozen bases (QLoRA): NF4 weights in bitsandbytes' format, decoded inside the compiled graph.
+"""Quantized frozen bases: weights stored in 4 or 8 bits, decoded inside the compiled graph.
 
-- ``nf4``: the format itself (quantize, dequantize, the checkpoint layout), plain torch;
-- ``linear``: ``NF4Linear`` and ``quantize(model)``.
+- ``nf4``: bitsandbytes' NF4 format (QLoRA) in plain torch: quantize, decode bit for bit as
+  bitsandbytes does, its checkpoint layout;
+- ``linear``: ``NF4Linear``, ``quantize(model, "nf4" | "fp8")`` and ``base_formats(model)``;
+- ``bnb``: ``adopt(model)``, bitsandbytes' NF4 ``Linear4bit`` layers taken over without a copy, and
+  the quantized layers loracc does not read, named;
+- ``fp8``: float8_e4m3fn weights with per-channel or 128×128 block scales, ``FP8Linear``.
 """
 from .linear import NF4Linear, base_formats, quantize
 from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
