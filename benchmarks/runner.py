@@ -302,10 +302,10 @@ def run_jobs(jobs: list[Job], args, deadline: float, folder: Path, emit, prefetc
     def why_not(index: int, ahead: bool = False) -> str | None:
         """Why job ``index`` cannot run now (``ahead``: whether it may start its imports already)."""
         job = jobs[index]
-        if job.method in NEEDS_CUDA and not args.cuda and not args.try_without_gpu:
-            return "needs a CUDA GPU"
         if applies(job.method, job.workload):
             return applies(job.method, job.workload)
+        if job.method in NEEDS_CUDA and not args.cuda and not args.try_without_gpu:
+            return "needs a CUDA GPU"
         if missing_package(job.method):
             return f"{missing_package(job.method)} is not installed"
         if job.warm_of is not None and not ahead:
