@@ -7,8 +7,9 @@ that take the LoRA parameters as inputs, so torch's engines wrap it as they wrap
   compiles the same modules). Each layer's LoRA gradients are ready when that layer's backward returns,
   so DDP's bucketed all-reduce overlaps the rest of the backward; ``no_sync()``,
   ``find_unused_parameters`` and ``gradient_as_bucket_view`` work as with the eager model.
-- **FSDP2**: ``fully_shard`` on each decoder layer and on the model, before or after
-  ``loracc.compile``: each compiled layer runs between FSDP's all-gather and reshard.
+- **FSDP2**: ``fully_shard`` on each decoder layer and on the model, after ``loracc.compile``
+  (before it works too, but each layer then becomes its own region): each compiled layer runs
+  between FSDP's all-gather and reshard.
 
 What this module adds:
 
@@ -100,7 +101,8 @@ class FlatGradientSync:
     every rank gives gradients to the same parameters in every step (the buckets launched during
     the backward are then the same, in the same order, everywhere). A parameter without a gradient
     gets zeros, as under DDP. The parameters must start equal on every rank: the same seed, or one
-    ``torch.distributed.broadcast(p.data, 0)`` each.
+    ``torch.distributed.broadcast(p.data, 0)`` each. One sync per optimizer: a new one removes the
+    hooks of the previous one (``remove()`` does it by hand).
     """
 
     def __init__(self, optimizer, *, bucket_bytes: int = 25 * 2**20, group=None):
@@ -113,6 +115,11 @@ class FlatGradientSync:
         self.nccl = dist.get_backend(group) == "nccl"
         self.enabled = True
         self.buckets: list[_Bucket] = []
+        self.handles: list = []
+        previous = getattr(optimizer, "_loracc_gradient_sync", None)
+        if previous is not None:
+            previous.remove()
+        optimizer._loracc_gradient_sync = self
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         with torch.no_grad():
             flats = optimizer.flat_grads()  # every trainable .grad is now a view of one of them
@@ -136,7 +143,13 @@ class FlatGradientSync:
         bucket = _Bucket(flat[lo:hi], [(p, p.grad) for p in params])
         self.buckets.append(bucket)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._hook(bucket, p.grad))
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, p.grad)))
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters: backwards no longer launch all-reduces."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def _hook(self, bucket: "_Bucket", view: torch.Tensor):
         def ready(param: torch.Tensor) -> None:

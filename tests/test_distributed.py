@@ -558,7 +558,8 @@ def test_helpers_need_a_process_group():
 def test_helpers_in_a_single_rank_group(tmp_path):
     """World size 1: global_num_items counts the shifted labels that are not -100; FlatGradientSync
     refuses an optimizer without flat buffers and a second backward outside no_sync(), naming what
-    to do instead, and leaves the gradients of one backward as they are."""
+    to do instead, leaves the gradients of one backward as they are, and a new one on the same
+    optimizer takes the place of the old one."""
     import torch.distributed as dist
 
     from loracc.presets import plain
@@ -583,6 +584,13 @@ def test_helpers_in_a_single_rank_group(tmp_path):
         with pytest.raises(loracc.LoraccError, match="no_sync"):
             model(**batch).backward()
             model(**batch).backward()
+
+        model, batch = plain()  # a second sync on one optimizer replaces the first (no double reduction)
+        optimizer = loracc.FusedAdamW([p for p in model.parameters() if p.requires_grad])
+        first, second = FlatGradientSync(optimizer, bucket_bytes=1024), FlatGradientSync(optimizer, bucket_bytes=1024)
+        model(**batch).backward()
+        assert not any(b.work for b in first.buckets) and all(b.work for b in second.buckets)
+        second.wait()
     finally:
         dist.destroy_process_group()
 
