@@ -192,3 +192,52 @@ def test_an_empty_batch_fails_as_eager_does():
         except Exception as exc:  # noqa: BLE001 - compared below
             outcome.append(("error", type(exc)))
     assert outcome[0] == outcome[1], outcome
+
+
+class _Ragged(torch.utils.data.Dataset):
+    """Token sequences of lengths 5..23, as a tokenizer gives them (no padding)."""
+
+    def __init__(self, n, seed):
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(5, 24, (n,), generator=generator).tolist()
+        self.rows = [torch.randint(1, 101, (n_,), generator=generator).tolist() for n_ in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def test_trainer_with_a_padding_collator_and_group_by_length_matches_eager(tmp_path):
+    """Trainer with dynamic padding (each batch padded to its longest row, labels -100 on pads,
+    an attention mask), group_by_length and gradient accumulation (num_items_in_batch): eager's
+    losses, and one symbolic program per region kind instead of a capture per length."""
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
+    from tokenizers import Tokenizer, models
+
+    from test_trainer import history, peft_llama
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>")),
+                                        pad_token="<pad>", unk_token="<unk>")
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    import inspect
+
+    grouped = ({"train_sampling_strategy": "group_by_length"}
+               if "train_sampling_strategy" in inspect.signature(TrainingArguments).parameters else {"group_by_length": True})
+    runs = {}
+    for name in ("eager", "loracc"):
+        model = peft_llama(name == "loracc")
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                                 max_steps=4, learning_rate=1e-2, logging_steps=1, seed=0, use_cpu=True, report_to=[],
+                                 disable_tqdm=True, remove_unused_columns=False, save_strategy="no", **grouped)
+        trainer = Trainer(model=model, args=args, train_dataset=_Ragged(24, 5), data_collator=collator)
+        trainer.train()
+        runs[name] = (trainer, model)
+    got, expected = history(runs["loracc"][0]), history(runs["eager"][0])
+    assert len(got) == len(expected) == 4, (got, expected)
+    for (loss, _), (ref, _) in zip(got, expected):
+        assert abs(loss - ref) <= 1e-5 * abs(ref), (got, expected)
+    compiled = runs["loracc"][1]
+    assert all(r.calls for r in compiled._loracc.regions)
+    assert all(r.captures <= 4 for r in compiled._loracc.regions), _captures(compiled)
