@@ -10,6 +10,9 @@ median milliseconds of ``y = x @ Wᵀ`` then ``dx = dy @ W`` (what a frozen base
 - ``nf4 loracc``: ``loracc::dequant_nf4`` (Triton) into a bf16 buffer, then cuBLAS, decoded again for
   the input gradient (what a compiled NF4 layer runs: remat recomputes the decode);
 - ``nf4 torch``: the same with the decode as torch ops (the reference);
+- ``nf4 decoded in the GEMM (Triton)``: ``codegen.nf4.matmul``, a Triton GEMM that decodes the
+  weight's tiles as it loads them (``templates/nf4_gemm.py.jinja``; one untuned tile config), no
+  decoded weight in memory: the other strategy of decision 011;
 - ``nf4 bitsandbytes``: bitsandbytes' ``matmul_4bit`` forward and backward (its training path), if
   installed;
 - ``fp8 dequant``: ``loracc::dequant_fp8`` (128×128 block scales) then cuBLAS;
@@ -58,6 +61,16 @@ def methods(x, dy, weight, device):
 
     found["nf4 loracc"] = (nf4_loracc, w_nf4)
     found["nf4 torch"] = (nf4_torch, w_nf4)
+    from loracc.codegen.triton_backend import available
+
+    if available(device) is None:
+        from loracc.codegen import nf4 as nf4_codegen
+
+        def nf4_fused():
+            args = nf4_args(q, dtype)[:-1]
+            return nf4_codegen.matmul(x, *args, mode="forward"), nf4_codegen.matmul(dy, *args, mode="input_grad")
+
+        found["nf4 decoded in the GEMM (Triton)"] = (nf4_fused, w_nf4)
     try:
         import bitsandbytes as bnb
         import bitsandbytes.functional as F

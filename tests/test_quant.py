@@ -508,3 +508,28 @@ def test_gpu_nf4_compiled_matches_eager_in_bf16(source):
         for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
             if p.requires_grad:
                 assert rel_err(q.grad, p.grad) <= 2e-2, name
+
+
+@pytest.mark.parametrize("mode", ["forward", "input_grad"])
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+def test_nf4_gemm_template_equals_dequantize_then_matmul(mode, double_quant):
+    """The GEMM that decodes NF4 tiles as it loads them (strategy b) against decode-then-matmul."""
+    pytest.importorskip("triton")
+    from loracc.codegen import nf4 as nf4_codegen
+    from loracc.codegen.triton_backend import available
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if available(device) is not None:
+        pytest.skip(str(available(device)))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out_features, in_features, rows = 40, 72, 37  # 72 = 1.125 blocks of 64 per row: blocks straddle rows
+    q = quantize_nf4(torch.randn(out_features, in_features, device=device), double_quant=double_quant)
+    args = (q.packed, q.absmax, q.quant_map, q.nested_absmax, q.nested_quant_map, q.offset,
+            [out_features, in_features], q.blocksize, q.nested_blocksize)
+    weight = dequant_nf4(*args, dtype)
+    a = torch.randn(rows, in_features if mode == "forward" else out_features, device=device).to(dtype)
+    torch.full((4096,), float("nan"), device=device)  # the output is torch.empty: poison what it may reuse
+    got = nf4_codegen.matmul(a, *args, mode=mode)
+    expected = (a.float() @ (weight.float().t() if mode == "forward" else weight.float())).to(dtype)
+    assert got.shape == expected.shape and torch.isfinite(got).all()
+    assert rel_err(got, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)

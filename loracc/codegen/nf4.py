@@ -46,3 +46,46 @@ def dequantize(packed: Tensor, absmax: Tensor, quant_map: Tensor, nested_absmax:
         _kernel(blocksize, dtype, packed.device)[grid](packed.contiguous(), scale, quant_map.float().contiguous(), out, n,
                                                        BLOCK=BLOCK)
     return out
+
+
+# Strategy (b), for measuring against (a): the GEMM decodes the weight's tiles as it loads them
+# (``templates/nf4_gemm.py.jinja``), no decoded weight in memory at all. ``mode`` "forward":
+# ``x @ Wᵀ``; "input_grad": ``dy @ W``.
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=4, num_warps=1, num_stages=1)
+GPU_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@functools.cache
+def _gemm_kernel(mode: str, out_features: int, in_features: int, blocksize: int, dtype: torch.dtype, device: torch.device):
+    dt = DTYPE_NAMES[dtype]
+    reduced, cols = (in_features, out_features) if mode == "forward" else (out_features, in_features)
+    name = f"nf4_gemm_{mode}_{out_features}x{in_features}_b{blocksize}_{dt}"
+    shapes = [f"a: [M, {reduced}] {dt}", f"packed: [{out_features}·{in_features}/2] uint8",
+              f"absmax: [⌈{out_features}·{in_features}/{blocksize}⌉] fp32", f"out: [M, {cols}] {dt}"]
+    computes = f"out = a @ {'Wᵀ' if mode == 'forward' else 'W'}, W [{out_features}, {in_features}] decoded from NF4 in its tile loads"
+    source = render("nf4_gemm.py.jinja", name=name, mode=mode, out_features=out_features, in_features=in_features,
+                    blocksize=blocksize, reduced=reduced, cols=cols, dtype_name=dt, shapes=shapes, computes=computes,
+                    precision="ieee" if dtype == torch.float32 else "")
+    return cache.load_kernel(name, source, device)
+
+
+def matmul(a: Tensor, packed: Tensor, absmax: Tensor, quant_map: Tensor, nested_absmax: Tensor | None,
+           nested_quant_map: Tensor | None, nested_offset: Tensor | None, shape, blocksize: int,
+           nested_blocksize: int, mode: str = "forward", config: dict | None = None) -> Tensor:
+    """``a @ Wᵀ`` (``mode="forward"``) or ``a @ W`` (``"input_grad"``) for a 2-D ``a`` in W's compute
+    dtype, W the NF4 weight of ``shape`` decoded inside the GEMM's tile loads (to ``a``'s dtype, as
+    ``loracc::dequant_nf4`` decodes it); fp32 accumulation."""
+    if mode not in ("forward", "input_grad"):
+        raise ValueError(f"nf4 matmul: mode must be 'forward' or 'input_grad', got {mode!r}")
+    out_features, in_features = shape
+    reduced, cols = (in_features, out_features) if mode == "forward" else (out_features, in_features)
+    if a.dim() != 2 or a.shape[1] != reduced:
+        raise ValueError(f"nf4 matmul ({mode}): a must be [M, {reduced}], got {list(a.shape)}")
+    scale = dequantize_absmax(absmax, nested_absmax, nested_quant_map, nested_offset, nested_blocksize).contiguous()
+    out = torch.empty(a.shape[0], cols, dtype=a.dtype, device=a.device)
+    config = dict(config or (GPU_CONFIG if a.is_cuda else INTERPRETER_CONFIG))
+    tiles = -(-a.shape[0] // config["BLOCK_M"]) * -(-cols // config["BLOCK_N"])
+    if a.shape[0]:
+        _gemm_kernel(mode, out_features, in_features, blocksize, a.dtype, a.device)[(tiles,)](
+            a.contiguous(), packed.contiguous(), scale, quant_map.float().contiguous(), out, a.shape[0], **config)
+    return out
