@@ -270,7 +270,8 @@ def test_the_decoded_weight_is_recomputed_never_saved():
 # Models loaded with bitsandbytes 4-bit --------------------------------------------------------------
 
 
-def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64, prepare=False):
+def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64, prepare=False,
+               storage=torch.uint8):
     """A tiny decoder whose frozen linears are ``bnb.nn.Linear4bit`` (as ``load_in_4bit`` builds them), under
     PEFT's 4-bit LoRA layers. Sizes are multiples of 64: bitsandbytes' CPU C kernel of 0.50 misreads rows of
     other lengths (see ``_bnb_dequantize``), and this model runs bitsandbytes' own CPU path eagerly."""
@@ -281,9 +282,10 @@ def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64
             if type(child) is torch.nn.Linear:
                 layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                           compute_dtype=torch.float32, compress_statistics=double_quant,
-                                          quant_type=quant_type)
+                                          quant_type=quant_type, quant_storage=storage)
                 layer.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type=quant_type,
-                                                 compress_statistics=double_quant, blocksize=blocksize)
+                                                 compress_statistics=double_quant, blocksize=blocksize,
+                                                 quant_storage=storage)
                 if child.bias is not None:
                     layer.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
                 setattr(parent, name, layer.to("cpu"))
@@ -295,11 +297,12 @@ def _bnb_model(family="qwen2", quant_type="nf4", double_quant=True, blocksize=64
     return presets.with_lora(base), presets.token_batch(base.config.vocab_size)
 
 
-@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
-def test_bitsandbytes_nf4_layers_are_adopted_over_the_same_tensors(double_quant):
+@pytest.mark.parametrize("double_quant, storage", [(False, torch.uint8), (True, torch.uint8), (True, torch.bfloat16)],
+                         ids=["single", "double", "double-bf16-storage"])
+def test_bitsandbytes_nf4_layers_are_adopted_over_the_same_tensors(double_quant, storage):
     from loracc.quant import bnb as adopt_bnb
 
-    model, _ = _bnb_model(double_quant=double_quant)
+    model, _ = _bnb_model(double_quant=double_quant, storage=storage)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert type(q_proj).__module__ == "peft.tuners.lora.bnb"
     before = q_proj.base_layer

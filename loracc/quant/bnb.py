@@ -69,8 +69,6 @@ def unsupported_reason(layer: nn.Module) -> str | None:
         return f"{kind} in bitsandbytes' {state.quant_type.upper()} 4-bit type (loracc reads NF4 only)"
     if getattr(state, "packing_format_for_cpu", False):
         return f"{kind} repacked by bitsandbytes for CPU inference (reload it, or keep it in training mode)"
-    if layer.weight.dtype != torch.uint8:
-        return f"{kind} storing its 4-bit codes in {layer.weight.dtype} (loracc reads bnb_4bit_quant_storage=uint8)"
     if len(state.shape) != 2:
         return f"{kind} with a quant state of shape {list(state.shape)} (a linear layer's weight is 2-D)"
     return None
@@ -91,9 +89,10 @@ def foreign_reason(module: nn.Module) -> str | None:
 
 
 def from_linear4bit(layer: nn.Module) -> NF4Linear:
-    """The ``NF4Linear`` over a ``bnb.nn.Linear4bit``'s own tensors (views, no copy)."""
+    """The ``NF4Linear`` over a ``bnb.nn.Linear4bit``'s own tensors (views, no copy). Codes stored in
+    another dtype (``bnb_4bit_quant_storage=torch.bfloat16``, for FSDP) are read as their bytes."""
     state = layer.weight.quant_state
-    q = NF4Weight(layer.weight.data.view(-1), state.absmax, state.code, tuple(state.shape), state.dtype, state.blocksize)
+    q = NF4Weight(layer.weight.data.view(-1).view(torch.uint8), state.absmax, state.code, tuple(state.shape), state.dtype, state.blocksize)
     if state.nested:
         q.nested_absmax, q.nested_quant_map, q.offset = state.state2.absmax, state.state2.code, state.offset
         q.nested_blocksize = state.state2.blocksize
