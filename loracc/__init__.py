@@ -4,9 +4,10 @@
     model = loracc.compile(peft_model)      # in place; the same object comes back
     loss = model(**batch).loss; loss.backward(); optimizer.step()
 
-See README.md for the pipeline (capture → passes → codegen → runtime) and the CLI.
+See docs/architecture.md for the pipeline (capture → passes → codegen → runtime) and the CLI.
 """
 from . import ops  # noqa: F401  (registers the loracc:: ops)
+from . import distributed  # noqa: F401  (loracc.distributed.global_num_items, FlatGradientSync)
 from .errors import LoraccError, Unsupported
 from .lora import LoRALinear
 from .model import compile, uncompile
