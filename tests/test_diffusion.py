@@ -324,23 +324,62 @@ def test_example_reads_a_local_diffusers_pipeline_directory(example, capsys, tmp
     assert torch.equal(weight, source.transformer_blocks[1].attn.to_q.weight)
 
 
-def test_channels_last_unet_matches_eager():
+def _unet_grads(compiled, eager, channels_last: bool, steps: int = 1) -> float:
+    """The largest relative error of a LoRA gradient of ``compiled`` against ``eager``, after
+    ``steps`` identical steps (gradients zeroed before each)."""
+    kwargs, target = unet_batch(torch.Generator().manual_seed(0))
+    if channels_last:
+        kwargs["sample"] = kwargs["sample"].contiguous(memory_format=torch.channels_last)
+    for model in (compiled, eager):
+        for _ in range(steps):
+            model.zero_grad()
+            F.mse_loss(model(**copy.deepcopy(kwargs)).sample, target).backward()
+    return max(rel_err(compiled.get_parameter(n).grad, p.grad) for n, p in lora_params(eager).items())
+
+
+def test_channels_last_unet_matches_eager(monkeypatch, tmp_path):
     """A UNet in channels_last (what convolutions want on a GPU) compiles with eager's numbers."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))  # see the two tests below
     torch.manual_seed(0)
     compiled = with_lora(tiny_unet(), UNET_TARGETS).to(memory_format=torch.channels_last)
     eager = copy.deepcopy(compiled)
     loracc.compile(compiled)
-    kwargs, target = unet_batch(torch.Generator().manual_seed(0))
-    kwargs["sample"] = kwargs["sample"].contiguous(memory_format=torch.channels_last)
-    losses = []
-    for model in (compiled, eager):
-        loss = F.mse_loss(model(**copy.deepcopy(kwargs)).sample, target)
-        loss.backward()
-        losses.append(loss.item())
-    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
-    for name, p in lora_params(eager).items():
-        assert rel_err(compiled.get_parameter(name).grad, p.grad) <= 1e-4, name
+    assert _unet_grads(compiled, eager, channels_last=True) <= 1e-4
     assert not loracc.explain(compiled).fallbacks
+
+
+STRIDES_NOT_IN_KEY = (
+    "runtime.Region.run keys a program by its state tensors' tensor_key (shape, dtype, device, requires_grad) "
+    "and its arguments' is_contiguous(), and trace_cache.trace_key likewise: a program traced with contiguous "
+    "conv weights is reused for channels_last ones (ATen's convolution then returns another layout), and the "
+    "LoRA gradients come out wrong (relative error ~2) with no warning")
+
+
+@pytest.mark.xfail(strict=True, reason=STRIDES_NOT_IN_KEY)
+def test_memory_format_changed_after_compile(monkeypatch):
+    monkeypatch.setenv("LORACC_TRACE_CACHE", "0")
+    torch.manual_seed(0)
+    compiled = with_lora(tiny_unet(), UNET_TARGETS)
+    eager = copy.deepcopy(compiled)
+    loracc.compile(compiled)
+    assert _unet_grads(compiled, eager, channels_last=False) <= 1e-4
+    for model in (compiled, eager):
+        model.to(memory_format=torch.channels_last)
+    assert _unet_grads(compiled, eager, channels_last=True) <= 1e-4
+
+
+@pytest.mark.xfail(strict=True, reason=STRIDES_NOT_IN_KEY + " (here: graphs read from the trace cache, "
+                                                            "written by a contiguous model's run)")
+def test_channels_last_after_a_contiguous_run_shares_no_trace(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))
+    for channels_last, steps in ((False, 2), (True, 1)):
+        torch.manual_seed(0)
+        compiled = with_lora(tiny_unet(), UNET_TARGETS)
+        if channels_last:
+            compiled.to(memory_format=torch.channels_last)
+        eager = copy.deepcopy(compiled)
+        loracc.compile(compiled)
+        assert _unet_grads(compiled, eager, channels_last, steps) <= 1e-4, f"channels_last={channels_last}"
 
 
 def test_sdpa_backend_script_runs_one_case(capsys, monkeypatch):
