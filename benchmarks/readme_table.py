@@ -79,17 +79,33 @@ def fixed_table(latest_rows: dict[str, tuple]) -> list[str]:
     return lines
 
 
+def length_max(record: dict, run: dict) -> int | None:
+    """The longest sequence a varying-length record's data may hold (older records: from --max-len
+    in the command, else the workload's default)."""
+    import re
+
+    from benchmarks.workloads import WORKLOADS
+
+    if record.get("length_max"):
+        return record["length_max"]
+    found = re.search(r"--max-len[ =](\d+)", str(run.get("command")))
+    spec = WORKLOADS.get(record["workload"], {}).get("varlen")
+    return int(found.group(1)) if found else (spec["max"] if spec else None)
+
+
 def varlen_table(latest_rows: dict[str, tuple]) -> list[str]:
     lines = ["| workload | method | real tokens/s, whole run | vs eager PEFT | run s (compiles included) | peak GiB | run |",
              "|---|---|---|---|---|---|---|"]
-    for workload, (folder, _, rows) in latest_rows.items():
+    for workload, (folder, run, rows) in latest_rows.items():
         eager = next((r for r in rows if r["method"] == report.REFERENCE and r.get("status") == "ok"), None)
         for r in rows:
+            longest = length_max(r, run)
+            name = f"{workload} (lengths ≤ {longest})" if longest else workload
             if r.get("status") != "ok":
-                lines.append(f"| {workload} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
+                lines.append(f"| {name} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
                 continue
             vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
-            lines.append(f"| {workload} | {r['method']} | {r['tokens_per_s']:,.0f} | {vs} | {r['wall_s_run']:.1f} | "
+            lines.append(f"| {name} | {r['method']} | {r['tokens_per_s']:,.0f} | {vs} | {r['wall_s_run']:.1f} | "
                          f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | {folder.name} |")
     return lines
 

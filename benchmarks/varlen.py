@@ -24,7 +24,7 @@ Every step calls the model with ``use_cache=False``, as packing collators' train
 The record. ``wall_s_run``: the wall time of the whole run, the first step's compilation and every
 recompilation included; ``tokens_per_s``: real (not padding) tokens over that time;
 ``second_half_tokens_per_s``: the same over the second half of the steps (after most compilations);
-``first_step_s``; per step, ``step_ms`` (host and device, the device synchronized after each step)
+``first_step_s``; ``length_max``, the longest a sequence may be (``--max-len``); per step, ``step_ms`` (host and device, the device synchronized after each step)
 and ``host_ms`` (until the step's Python call returned: the host's cost, which a new shape's trace,
 plan or kernel compile would add to); ``new_shape_host_ms_median`` / ``_max``: the host cost of steps
 whose shape is new, after the first ``SETTLED`` distinct shapes (the first calls may compile on
@@ -175,7 +175,7 @@ def train(model, peft_model, method: str, workload: str, device: str, progress) 
             seen_again.append(host_ms[i])
         seen.add(shape)
     return dict(
-        steps=len(plan), wall_s_run=wall_s, first_step_s=step_ms[0] / 1e3, real_tokens=sum(real),
+        steps=len(plan), length_max=spec(workload)["max"], wall_s_run=wall_s, first_step_s=step_ms[0] / 1e3, real_tokens=sum(real),
         tensor_tokens=in_tensors, pad_fraction=1 - sum(real) / in_tensors, tokens_per_s=sum(real) / wall_s,
         second_half_tokens_per_s=sum(real[half:]) / (end - middle) if half else None,
         mean_real_tokens_per_step=sum(real) / len(plan),

@@ -465,6 +465,7 @@ def test_tiny_varlen_end_to_end(tmp_path):
         plan = varlen.batches(workload)
         assert r["status"] == "ok" and r["suite"] == "varlen", r
         assert r["steps"] == len(plan) == len(r["losses"]) == len(r["step_ms_all"]) == len(r["host_ms_all"])
+        assert r["length_max"] == workloads.WORKLOADS[workload]["varlen"]["max"]
         assert r["real_tokens"] == sum(b["real_tokens"] for b in plan) < r["tensor_tokens"]
         assert r["tokens_per_s"] == pytest.approx(r["real_tokens"] / r["wall_s_run"])
         assert r["wall_s_run"] >= sum(r["step_ms_all"]) / 1e3 * 0.99 and r["first_step_s"] > 0
@@ -587,7 +588,7 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     assert "- [2026-01-01-h100-aaaaaaa](" in table and "GPU X, 2026-01-01, commit abcdef0; torch 2.11.0;" in table
     assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 | 2026-01-01-h100-aaaaaaa |" in table
     assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table and "cpu" not in table
-    assert "| qwen2-0.5b-varlen | loracc | 900 | — | 12.0 | 1.00 | 2026-01-03-h100-ccccccc |" in table
+    assert "| qwen2-0.5b-varlen (lengths ≤ 4096) | loracc | 900 | — | 12.0 | 1.00 | 2026-01-03-h100-ccccccc |" in table
     readme = "# x\n\nbefore\n<!-- results-table -->\nold table\n<!-- /results-table -->\nafter\n"
     out = readme_table.replace_between_markers(readme, table)
     assert out.startswith("# x\n\nbefore\n<!-- results-table -->\n<!-- generated") and out.endswith(
