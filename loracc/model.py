@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import cross_entropy
+from .quant import bnb
 from . import verify as verification
 from .capture import RUN_HOOKS, module_fingerprint
 from .codegen import get_backend
@@ -88,6 +89,10 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     if not isinstance(backend, str):
         raise LoraccError(f"backend must be a string such as 'auto' or 'eager', got {type(backend).__name__}")
     _check_budget(memory_budget)
+    # bitsandbytes' NF4 layers become loracc's NF4Linear over the same tensors; other quantized
+    # layouts stay as they are: the blocks holding them run eagerly.
+    for path, reason in bnb.adopt(model):
+        warnings.warn(f"loracc: {path} is {reason}; the block holding it runs eagerly", stacklevel=2)
     device = _check_parameters(model)
     lora_layers = find_lora_layers(model)
     if not lora_layers:

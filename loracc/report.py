@@ -11,6 +11,7 @@ from .cuda_graphs import Replayer
 from .dump import format_bytes
 from .errors import LoraccError
 from .pipeline import predicted_peak_bytes
+from .quant import base_formats
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Report:
     backend: str
     predicted_peak_bytes: int | None = None
     eager_parts: list[str] = field(default_factory=list)
+    base_formats: dict[str, str] = field(default_factory=dict)  # frozen linear → how its weight is stored
 
     @property
     def cuda_graphs(self) -> list[str]:
@@ -79,6 +81,11 @@ class Report:
         if self.predicted_peak_bytes is not None:
             lines.append(f"predicted peak of a step: {format_bytes(self.predicted_peak_bytes)} "
                          "(weights, gradients, AdamW state, saved activations, the largest region's workspace)")
+        if self.base_formats:
+            counts: dict[str, int] = {}
+            for fmt in self.base_formats.values():
+                counts[fmt] = counts.get(fmt, 0) + 1
+            lines.append("frozen base weights: " + ", ".join(f"{n} layer(s) {fmt}" for fmt, n in counts.items()))
         lines.append("eager: " + (", ".join(self.eager_parts) or "nothing"))
         if self.fallbacks:
             lines.append("fallbacks to eager:")
@@ -134,7 +141,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     return Report(
         regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
         trainable_params=state.trainable_params, frozen_params=state.frozen_params,
-        backend=state.backend.name, eager_parts=eager,
+        backend=state.backend.name, eager_parts=eager, base_formats=base_formats(model),
         predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes) if runs else None,
     )
 
@@ -142,21 +149,28 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
 def _graph_decisions(region) -> list[str]:
     """Per compiled graph of the region (every program: a first layer whose input needs no gradient
     has its own), whether it replays as a CUDA graph and why."""
-    programs = [p for p in region.programs.values() if p is not None]
+    programs = _programs(region)
     decisions = []
     for i, program in enumerate(programs):
         label = f"call signature {i + 1} of {len(programs)}, " if len(programs) > 1 else ""
         for stage in ("forward", "backward"):
             fn = getattr(program, stage)
-            if isinstance(fn, Replayer):
+            if program.dynamic:
+                decisions.append(f"{label}{stage}: runs from Python (symbolic sizes: a CUDA graph holds one set of sizes)")
+            elif isinstance(fn, Replayer):
                 decision = fn.decision or "not decided yet whether to replay as a CUDA graph (decides at its third call)"
                 decisions.append(f"{label}{stage}: {decision}")
     return decisions
 
 
+def _programs(region) -> list:
+    """The region's programs, each once (a symbolic program serves the keys of many sizes)."""
+    return list({id(p): p for p in region.programs.values() if p is not None}.values())
+
+
 def _traces(region) -> list[str]:
     """Per call signature of the region, whether its graphs were traced or read from the trace cache."""
-    programs = [p for p in region.programs.values() if p is not None]
+    programs = _programs(region)
     lines = []
     for i, program in enumerate(programs):
         label = f"call signature {i + 1} of {len(programs)}: " if len(programs) > 1 else ""
