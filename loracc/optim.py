@@ -243,6 +243,10 @@ class FusedAdamW(torch.optim.Optimizer):
             if p.requires_grad:
                 if p.is_complex():
                     raise LoraccError("FusedAdamW: complex parameters are not supported; use torch.optim.AdamW")
+                if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+                    raise LoraccError(
+                        "FusedAdamW keeps parameters in flat local buffers, and this one is a DTensor (FSDP2's "
+                        "fully_shard or tensor parallelism): use torch.optim.AdamW(fused=True) there, or DDP")
                 trainable.setdefault((p.device, p.dtype), []).append(p)
         buffers = [FlatBuffer(ps, self.state_dtype) for ps in trainable.values()]
         for buffer in buffers:
