@@ -175,7 +175,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     module.__dict__.update({name: type(value)() for name, value in hooks.items()})
     try:
         with _SourceTracker(module, module_path):
-            gm = _compat.trace(flat_forward, examples)
+            gm = _compat.trace(flat_forward, examples, decompositions=CAPTURE_DECOMPOSITIONS)
     except Unsupported:
         raise
     except Exception as exc:  # anything the tracer cannot follow runs eagerly
@@ -185,6 +185,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
         if patched_forward is not None:
             module.forward = patched_forward
 
+    _check_shapes_known(gm)
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     for node, name, tensor in zip(placeholders(gm), names, state):
         role = param_role(name, tensor) if name in parameters else "buffer"
@@ -204,6 +205,19 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     gm.recompile()
     captured.gm = gm
     return captured
+
+
+def _check_shapes_known(gm: fx.GraphModule) -> None:
+    """Raise ``Unsupported`` for a value whose size depends on the data (``nonzero``, a boolean mask:
+    a mixture-of-experts layer that gathers each expert's tokens): the graphs are planned for sizes
+    known before they run."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        if free_unbacked_symbols(node.meta.get("val")):
+            source = node.meta.get("custom", {}).get("module")
+            raise Unsupported(f"{node.target} computes a value whose size depends on the data"
+                              + (f" (in {source})" if source else ""))
 
 
 class _SourceTracker:
@@ -235,6 +249,24 @@ class _SourceTracker:
         if id(module) in self.paths and self.stack:
             self.stack.pop()
             _compat.set_current_source(self.stack[-1] if self.stack else None)
+
+
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``aten._grouped_mm`` of a mixture-of-experts layer (tokens sorted by expert, ``mat_a`` ``(T, K)``,
+    the experts' weights ``mat_b`` ``(E, K, N)``, ``offs`` each expert's end row) in another dtype than
+    bfloat16, which ATen's fake implementation refuses (its CPU and CUDA kernels take fp32 and fp16
+    too): traced as transformers' own grouped GEMM op (``transformers::grouped_mm_fallback``, a loop
+    over the experts with a fake implementation and an autograd formula), which computes the same
+    products. bfloat16 keeps ATen's op (``torch._grouped_mm``'s kernel and backward)."""
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    plain = offs is not None and bias is None and out_dtype in (None, mat_a.dtype) and mat_a.dim() == 2 and mat_b.dim() == 3
+    if fallback is None or not plain or mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype:
+        return NotImplemented
+    return fallback(mat_a, mat_b, offs)
+
+
+# Ops the captured forward holds as others (see _grouped_mm).
+CAPTURE_DECOMPOSITIONS = {torch.ops.aten._grouped_mm.default: _grouped_mm}
 
 
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):

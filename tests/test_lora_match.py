@@ -145,3 +145,51 @@ def test_layers_traced_under_autocast_match(dropout):
             assert {v.meta["val"].dtype for v in (x, weight, lora_a, lora_b)} == {torch.bfloat16}
         if not dropout:  # dropout draws fresh masks per run: the pass's own test covers the graph
             _check_same_function(before, result.gm, inputs, 2e-2)
+
+
+class _Conv1DLoRA(nn.Module):
+    """PEFT LoRA over transformers' Conv1D (GPT-2, ``fan_in_fan_out``): the base is ``x @ W`` with
+    ``W`` stored ``(in, out)``, square here, as GPT-2's attn.c_proj, so that shapes cannot tell it
+    from ``x @ Wᵀ``."""
+
+    def __init__(self, dim=8, r=3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.randn(dim), requires_grad=False)
+        self.lora_A = nn.Parameter(torch.randn(r, dim))
+        self.lora_B = nn.Parameter(torch.randn(dim, r))
+
+    def forward(self, x):
+        base = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        return base + 0.5 * torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_A), self.lora_B)
+
+
+def test_a_transposed_base_weight_is_never_taken_for_linear():
+    module = _Conv1DLoRA()
+    gm, inputs = capture(module, torch.randn(2, 5, 8))
+    gm = cleanup(gm).gm
+    assert not any(n.target == torch.ops.aten.linear.default and n.args[1].name == "weight" for n in gm.graph.nodes)
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 0
+    assert "Conv1D" in result.report["unmatched"]["lora_A"]
+    _check_same_function(before, result.gm, inputs, 1e-6)
+
+    compiled = loracc.compile(copy.deepcopy(module).train())
+    x = torch.randn(2, 5, 8)
+    compiled(x).square().sum().backward()
+    module(x).square().sum().backward()
+    for name in ("lora_A", "lora_B"):
+        assert rel_err(getattr(compiled, name).grad, getattr(module, name).grad) <= 1e-5
+
+
+def test_dora_layers_are_reported_as_dora():
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    base = nn.Sequential(nn.Linear(8, 8))
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["0"], use_dora=True, init_lora_weights=False))
+    gm, _ = capture(model.base_model.model, torch.randn(3, 8))
+    result = lora_match(cleanup(gm).gm)
+    assert result.report["matched"] == 0
+    assert all("DoRA" in why for why in result.report["unmatched"].values())

@@ -166,6 +166,11 @@ def _moves_last_dim(node: fx.Node, val: torch.Tensor) -> bool:
     return _last_dim(dim, ndim) and step == 1 and _val(node.args[0]).shape[-1] > 1 and val.shape[-1] > 1
 
 
+def _mutates(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
 def _computes(node: fx.Node) -> bool:
     return node.target not in PASS_THROUGH
 
@@ -177,6 +182,11 @@ def group_nodes(gm: fx.GraphModule) -> list[list[fx.Node]]:
     groups: dict[int, list[fx.Node]] = {}
     rows_of: dict[int, tuple] = {}
     for node in gm.graph.nodes:
+        if _mutates(node):
+            # A group runs where its last member was: none spans an in-place write (a chunked scan's
+            # copy_ into a slice of its output), which its members before it would then read after.
+            group_of.clear()
+            continue
         rows = frame(node)
         if rows is None:
             continue

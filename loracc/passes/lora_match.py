@@ -15,7 +15,11 @@ when its intermediates have no other users. Under autocast the traced graph cast
 then those casts (the op runs in the compute dtype, and autograd takes each gradient back through
 its cast, as in eager), and two casts of the same value to the same dtype count as one ``x``. LoRA weights left unmatched (another adapter type, a
 pattern not recognised) are reported with the reason; their layers keep their ATen ops, whose
-gradients autograd derives, so they stay correct.
+gradients autograd derives, so they stay correct. That includes a base weight stored transposed,
+``(in, out)``, as transformers' ``Conv1D`` keeps it (GPT-2; PEFT's ``fan_in_fan_out``): its layer
+computes ``addmm(b, x, W)``, which ``cleanup`` never folds into ``linear`` (only ``x @ t(W)`` is
+``linear(x, W)``, whatever the shapes: a square ``W`` fits both), and DoRA, whose output is
+rescaled by its magnitude vector.
 """
 from __future__ import annotations
 
@@ -49,8 +53,32 @@ def lora_match(gm: fx.GraphModule) -> PassResult:
     ]
     report = {"matched": len(matched), "layers": matched}
     if unmatched:
-        report["unmatched"] = {name: "not in the pattern x@Wᵀ + s·(x'@Aᵀ)@Bᵀ over a frozen W" for name in unmatched}
+        names = {info(p).get("name", p.name) for p in placeholders(gm)}
+        report["unmatched"] = {name: _why_unmatched(gm, name, names) for name in unmatched}
     return PassResult(gm, report)
+
+
+def _why_unmatched(gm: fx.GraphModule, name: str, names: set[str]) -> str:
+    """Why the layer of LoRA weight ``name`` kept its ATen ops (autograd differentiates them)."""
+    module = name.split(".lora_")[0] + "." if ".lora_" in name else ""
+    if any(n.startswith(module + "lora_magnitude_vector") for n in names):
+        return ("DoRA (lora_magnitude_vector): the output is rescaled by m/‖W + sBA‖, which "
+                "loracc::lora_linear does not compute; autograd differentiates the layer's ATen ops")
+    for p in placeholders(gm):
+        if role(p) == "frozen_weight" and info(p).get("name", "").startswith(module) and _read_untransposed(p):
+            return ("the base layer computes x@W with W stored (in, out) (transformers' Conv1D, PEFT "
+                    "fan_in_fan_out), not x@Wᵀ: autograd differentiates the layer's ATen ops")
+    return "not in the pattern x@Wᵀ + s·(x'@Aᵀ)@Bᵀ over a frozen W"
+
+
+def _read_untransposed(weight: fx.Node) -> bool:
+    """Whether a GEMM reads ``weight`` as its right operand as stored, (in, out): ``x @ W``."""
+    for user in weight.users:
+        if _is(user, aten.mm.default) and user.args[1] is weight:
+            return True
+        if _is(user, aten.addmm.default) and user.args[2] is weight:
+            return True
+    return False
 
 
 def _is(node, target) -> bool:

@@ -10,6 +10,8 @@ dropout mask is drawn once, in the forward). The backward runs the gradient node
 the forward nodes they need from the saved values, each just before its first use, so that a
 recomputed value is not held longer than the eager backward would hold it. A cut that would make
 the backward read an input that is not saved, or run a random or in-place op again, is refused.
+The backward's own in-place writes into a buffer it reads run too, in their joint order, even when
+nothing reads their result.
 ``detach``/``alias`` nodes (identities outside autograd) are dropped from both graphs.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .. import _compat
 from ..errors import Unsupported
 from ..graph import info, output_node, placeholders
 from . import PassResult
-from .memory_plan import activation_bytes, is_mutation
+from .memory_plan import activation_bytes, is_mutation, storage_key
 
 
 @dataclass
@@ -136,17 +138,23 @@ def backward_nodes(joint: fx.GraphModule, n_outputs: int, saved: set) -> list[fx
     """
     grads = [g for g in output_node(joint).args[0][n_outputs:] if isinstance(g, fx.Node)]
     needed, stack = set(), list(grads)
+    writes = [n for n in joint.graph.nodes if is_mutation(n) and info(n).get("phase") == "backward"]
     while stack:
-        n = stack.pop()
-        if n in needed or n in saved or info(n).get("role") == "tangent":
-            continue
-        if n.op == "placeholder" or runs_in_forward_only(n):
-            raise Unsupported(
-                f"the backward needs {n.name} ({n.target}), which the forward does not save and which "
-                "cannot run again in the backward (a graph input, a random or an in-place op)"
-            )
-        needed.add(n)
-        stack.extend(n.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in needed or n in saved or info(n).get("role") == "tangent":
+                continue
+            if n.op == "placeholder" or runs_in_forward_only(n):
+                raise Unsupported(
+                    f"the backward needs {n.name} ({n.target}), which the forward does not save and which "
+                    "cannot run again in the backward (a graph input, a random or an in-place op)"
+                )
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+        # An in-place write of the backward that nothing reads by its result (zeroing a slice of a
+        # gradient buffer) still changes a buffer the gradients read: it runs, in its joint place.
+        storages = {storage_key(n) for n in needed}
+        stack = [w for w in writes if w not in needed and storage_key(w) in storages]
 
     order, emitted = [], set()
     first = [n for n in joint.graph.nodes if n in needed and info(n).get("phase") == "backward"] + grads

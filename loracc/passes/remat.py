@@ -332,9 +332,9 @@ def _is_expensive(node: fx.Node) -> bool:
 
 
 def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
-    """Inputs, random ops, in-place ops, every value an in-place op writes, every read of such a
-    value made before its last write (recomputed later, it would read the written value), and the
-    rank-r products of LoRA layers."""
+    """Inputs, random ops, in-place ops, every buffer an in-place op writes (its views, which read
+    nothing, are recomputed from it), every read of such a buffer made before its last write
+    (recomputed later, it would read the written value), and the rank-r products of LoRA layers."""
     position = {n: i for i, n in enumerate(nodes)}
     last_write = {}
     for n in nodes:
@@ -342,7 +342,8 @@ def _never_recomputed(nodes: list[fx.Node]) -> set[fx.Node]:
             last_write[storage_key(n)] = position[n]
     fixed = set()
     for n in nodes:
-        if n.op == "placeholder" or is_random(n) or is_mutation(n) or storage_key(n) in last_write or _is_lora_u(n):
+        written = storage_key(n) in last_write and (aliased_input(n) is None or is_mutation(n))
+        if n.op == "placeholder" or is_random(n) or is_mutation(n) or written or _is_lora_u(n):
             fixed.add(n)
         elif any(position[n] < last_write.get(storage_key(a), -1) for a in n.all_input_nodes):
             fixed.add(n)
