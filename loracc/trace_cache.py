@@ -171,6 +171,8 @@ def _object_attributes(module: nn.Module) -> list:
                 continue
             if "hooks" in key and isinstance(value, dict):
                 value = list(value.values())  # keyed by handle numbers, which differ from process to process
+            if key == "_internal_dict" and isinstance(value, dict):  # diffusers' config: one list is built from a set
+                value = {k: sorted(v) if k == "_use_default_values" and isinstance(v, list) else v for k, v in value.items()}
             found.append((name, key, _describe(value)))
     return found
 

@@ -410,10 +410,6 @@ print(trace_key(block, "mid_block.attentions.0", call_signature((torch.randn(2, 
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace_cache._object_attributes describes diffusers' config (_internal_dict) with its _use_default_values, "
-    "a list made from a set, whose order follows Python's per-process string hashing: the trace key of a "
-    "Transformer2DModel differs in every process, so the UNet's transformer blocks never read the trace cache"))
 def test_unet_transformer_block_trace_key_is_the_same_in_every_process():
     import os
     import subprocess
