@@ -318,13 +318,14 @@ def test_benchmark_script_tiny(tmp_path):
     out = tmp_path / "optimizer.json"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "optimizer.py"), "--tiny", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "optimizer", "--tiny", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
     assert report["check"]["ok"] and report["check"]["max_rel_err_vs_torch_adamw"] <= 1e-5
-    assert report["results"]["loracc FusedAdamW"]["status"] == "ok"
-    assert {"date", "device", "torch", "triton", "command"} <= set(report)
+    records = {r["method"]: r for r in report["records"]}
+    assert records["loracc FusedAdamW"]["status"] == "ok"
+    assert {"date", "device", "versions"} <= set(report["run"])
     assert "loracc FusedAdamW" in run.stdout
 
 
