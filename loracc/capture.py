@@ -49,7 +49,18 @@ class CallSignature:
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+    """What a compiled program is specialised on for one tensor: shape, dtype, device, whether it
+    needs a gradient, and its memory layout (``layout``: a program traced for contiguous weights
+    computes other layouts than ATen does for channels_last ones)."""
+    return (tuple(t.shape), t.dtype, t.device.type, t.requires_grad, layout(t))
+
+
+def layout(t: torch.Tensor):
+    """``True`` for a contiguous tensor, else its dims ordered by decreasing stride (channels_last
+    4-d: ``(0, 2, 3, 1)``), which does not depend on the sizes."""
+    if t.is_contiguous():
+        return True
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
 
 
 def call_signature(args: tuple, kwargs: dict) -> CallSignature:
@@ -59,7 +70,7 @@ def call_signature(args: tuple, kwargs: dict) -> CallSignature:
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
-            key.append(tensor_key(leaf) + (leaf.is_contiguous(),))
+            key.append(tensor_key(leaf))
         elif isinstance(leaf, CONSTANT_TYPES):
             key.append(leaf)
         else:
@@ -216,8 +227,9 @@ def _check_shapes_known(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if free_unbacked_symbols(node.meta.get("val")):
             source = node.meta.get("custom", {}).get("module")
-            raise Unsupported(f"{node.target} computes a value whose size depends on the data"
-                              + (f" (in {source})" if source else ""))
+            what = ("reads a tensor's value as a number (.item(), .tolist())" if node.target == torch.ops.aten._local_scalar_dense.default
+                    else "computes a value whose size depends on the data")
+            raise Unsupported(f"{node.target} {what}, which a compiled graph cannot" + (f" (in {source})" if source else ""))
 
 
 class _SourceTracker:

@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import _compat
-from .capture import NOT_PLAIN, CallSignature, CapturedForward, module_fingerprint, plain_value
+from .capture import NOT_PLAIN, CallSignature, CapturedForward, layout, module_fingerprint, plain_value
 from .codegen.cache import atomic_write, cache_folder, read_json
 
 log = logging.getLogger("loracc")
@@ -146,6 +146,7 @@ def trace_key(module: nn.Module, path: str, signature: CallSignature) -> str:
         ("devices", devices),  # with their index: the values read back are on them
         ("autocast", [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in device_types]),
         ("modules", module_fingerprint(module, hooks=False)),  # hooks: described below
+        ("layouts", [layout(t) for t in [*module.parameters(), *module.buffers()]]),
         ("objects", _object_attributes(module)),
         ("code", _code_identity(module)),
     ]

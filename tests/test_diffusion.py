@@ -348,15 +348,9 @@ def test_channels_last_unet_matches_eager(monkeypatch, tmp_path):
     assert not loracc.explain(compiled).fallbacks
 
 
-STRIDES_NOT_IN_KEY = (
-    "runtime.Region.run keys a program by its state tensors' tensor_key (shape, dtype, device, requires_grad) "
-    "and its arguments' is_contiguous(), and trace_cache.trace_key likewise: a program traced with contiguous "
-    "conv weights is reused for channels_last ones (ATen's convolution then returns another layout), and the "
-    "LoRA gradients come out wrong (relative error ~2) with no warning")
-
-
-@pytest.mark.xfail(strict=True, reason=STRIDES_NOT_IN_KEY)
 def test_memory_format_changed_after_compile(monkeypatch):
+    """A program is keyed by its tensors' layouts: channels_last weights after a contiguous step
+    compile a new program (reusing the contiguous one gave LoRA gradients off by ~2x, silently)."""
     monkeypatch.setenv("LORACC_TRACE_CACHE", "0")
     torch.manual_seed(0)
     compiled = with_lora(tiny_unet(), UNET_TARGETS)
@@ -368,8 +362,6 @@ def test_memory_format_changed_after_compile(monkeypatch):
     assert _unet_grads(compiled, eager, channels_last=True) <= 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason=STRIDES_NOT_IN_KEY + " (here: graphs read from the trace cache, "
-                                                            "written by a contiguous model's run)")
 def test_channels_last_after_a_contiguous_run_shares_no_trace(monkeypatch, tmp_path):
     monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))
     for channels_last, steps in ((False, 2), (True, 1)):
