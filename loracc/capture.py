@@ -162,6 +162,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     ``dynamic``: the call's batch and sequence dims (``dynamic_dims``) are symbols, so the graph
     serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``); otherwise every
     size is a constant."""
+    _check_no_recording_hooks(module)
     names, state = module_state(module)
     captured = CapturedForward(gm=None, param_names=names)
     examples = state + signature.tensors
@@ -216,6 +217,22 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     gm.recompile()
     captured.gm = gm
     return captured
+
+
+# Hooks that record a submodule's output into a list the caller reads (transformers' output capturing:
+# output_router_logits, output_attentions): traced into a graph, they would record nothing when it runs.
+RECORDING_HOOK_MODULES = ("transformers.utils.output_capturing",)
+
+
+def _check_no_recording_hooks(module: nn.Module) -> None:
+    """Raise ``Unsupported`` for a submodule whose output a hook records (a mixture-of-experts router's
+    logits for the load-balancing loss): the module runs eagerly, where the hook records it. (The
+    module's own hooks run around its compiled forward, so they record its outputs.)"""
+    for name, sub in module.named_modules():
+        hooks = list(sub._forward_hooks.values()) if name else []
+        if any(getattr(hook, "__module__", "") in RECORDING_HOOK_MODULES for hook in hooks):
+            raise Unsupported(f"transformers records the output of {name} with a hook (output_router_logits, "
+                              "output_attentions), which a compiled graph would not run")
 
 
 def _check_shapes_known(gm: fx.GraphModule) -> None:

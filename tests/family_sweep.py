@@ -54,6 +54,7 @@ TINY = {
     **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
     "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "qk_head_dim": 16, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "index_head_dim": 16, "index_n_heads": 4, "index_topk": 8,  # DeepSeek sparse attention's indexer
     "vocab_size": VOCAB,
 }
 # Scales that are 1 (no-ops) in some configs' defaults but not in their checkpoints (Granite's

@@ -115,6 +115,30 @@ def test_moe_layers_compile_with_lora_on_attention_and_experts(family):
     assert matched > 0 and total > matched  # attention fused; expert adapters differentiated by autograd
 
 
+def _moe_recording_router_logits():
+    model = fs.build_causal_lm("qwen3_moe")
+    model.config.output_router_logits = True  # the load-balancing loss is added to the loss
+    model = fs.with_lora(model, "causal-lm", target_modules=["q_proj", "v_proj"])
+    model(**fs.token_batch("causal-lm"))  # transformers installs its output-recording hooks
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def test_layers_whose_outputs_transformers_records_run_eagerly():
+    """With output_router_logits, transformers records each router's logits with a hook, for the
+    load-balancing loss: a compiled graph would not run it, so those layers run eagerly, with a warning."""
+    compiled = loracc.compile(_moe_recording_router_logits())
+    with pytest.warns(UserWarning, match="records the output of"):
+        compiled(**fs.token_batch("causal-lm")).loss.backward()
+    assert all(r.calls == 0 for r in loracc.explain(compiled).regions if r.kind == "block")
+
+
+@pytest.mark.xfail(strict=False, reason="the head region (loracc/model.py) drops the load-balancing loss that "
+                                        "output_router_logits adds; its head should run eagerly then")
+def test_moe_load_balancing_loss_matches_eager():
+    _check(_moe_recording_router_logits(), allowed=("PASS", "FALLBACK"))
+
+
 # --- the family sweep ---------------------------------------------------------------------------
 
 def _families():
