@@ -62,10 +62,27 @@ def test_gpt2_conv1d_fan_in_fan_out_matches_eager(lora):
     {"bias": "all"},
     {"bias": "lora_only"},
     {"use_rslora": True, "lora_alpha": 3.0, "r": 8},
+    {"rank_pattern": {"layers.0.self_attn.q_proj": 8}, "alpha_pattern": {"layers.1.mlp.up_proj": 3.0}},
+    {"lora_bias": True},
+    {"layer_replication": [[0, 2], [1, 2]]},
 ], ids=["dora", "modules-to-save-mlp", "modules-to-save-lm-head", "lora-embedding", "trainable-tokens",
-        "bias-all", "bias-lora-only", "rslora"])
+        "bias-all", "bias-lora-only", "rslora", "rank-pattern", "lora-bias", "layer-replication"])
 def test_peft_options_match_eager(lora):
     _check(fs.with_lora(_llama(), "causal-lm", **lora))
+
+
+def test_adalora_matches_eager():
+    """AdaLoRA's ``lora_A``/``lora_B`` around a singular-value vector ``lora_E``: not the LoRA pattern,
+    left to autograd."""
+    import peft
+
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_llama(), peft.AdaLoraConfig(init_r=4, target_modules=["q_proj", "v_proj"], total_step=10))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and not p.any():
+                p.normal_(0, 0.1)  # AdaLoRA starts its B at zero: every gradient non-trivial
+    _check(model.train())
 
 
 def test_dora_layers_are_left_to_autograd():
