@@ -95,9 +95,12 @@ def test_dora_layers_are_left_to_autograd():
 
 
 @pytest.mark.parametrize("lora", [
+    {"target_modules": ["q_proj", "v_proj"]},
     {"target_modules": ["q_proj", "v_proj", "lm_head"]},
     {"target_modules": ["q_proj", "v_proj", "embed_tokens"]},
-], ids=["lora-on-tied-lm-head", "lora-on-tied-embedding"])
+    {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["embed_tokens"]},
+    {"target_modules": ["q_proj", "v_proj"], "trainable_token_indices": [3, 5, 7]},
+], ids=["tied", "lora-on-tied-lm-head", "lora-on-tied-embedding", "tied-embedding-saved", "tied-trainable-tokens"])
 def test_tied_embeddings_match_eager(lora):
     model = _llama(tie_word_embeddings=True)
     model.tie_weights()
