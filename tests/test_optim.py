@@ -395,7 +395,9 @@ def test_int8_kernel_matches_its_torch_math(kernel_path, monkeypatch):
             patch.setattr(optim, "_kernel_unavailable", lambda param: "compared with the kernel")
             torch_ops.step()
         for i, (p, q) in enumerate(zip(ours, theirs)):
-            assert rel_err(p, q) <= TOL, f"step {step}: parameter {i}"
+            # fp32's 1e-4: a moment whose 8-bit code differs (a midpoint within rounding) moves its
+            # parameter by a quantization step's worth of update
+            assert rel_err(p, q) <= 1e-4, f"step {step}: parameter {i}"
         for a, b in zip(kernel._flat_buffers, torch_ops._flat_buffers):
             for x, y in zip(a, b):
                 assert rel_err(x.absmax1, y.absmax1) <= TOL and rel_err(x.absmax2, y.absmax2) <= TOL
