@@ -67,8 +67,8 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
     ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/cuda_graphs.py``): ``"auto"`` replays a
     compiled graph as a CUDA graph where, timed at its second and third calls, a replay is clearly faster than
-    running it from Python: steps bound by kernel launches (small hidden sizes, e.g. Qwen2-0.5B)
-    gain, GPU-bound ones (Llama-3.2-1B at 4×2048) stay as they are. Only with the fastest plan
+    running it from Python (docs/decisions/001-cuda-graph-policy.md); a program with symbolic sizes
+    (a region's second call size on) runs from Python. Only with the fastest plan
     (``memory_budget=None``): each layer's graphs keep buffers for their inputs and outputs, memory a
     budget did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
     ``verify``: the first call of every graph loracc compiles also runs eagerly on the same inputs

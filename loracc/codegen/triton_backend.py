@@ -45,7 +45,7 @@ def available(device: torch.device) -> str | None:
 
 def _hash_triton_in_background() -> threading.Thread:
     """Start Triton's hash of its own compiler and libraries (``triton_key``, part of every kernel's
-    cache key; computed once per process, about 0.3 s on an H100 host) on a thread: it then runs while
+    cache key; computed once per process, a noticeable host cost) on a thread: it then runs while
     the first region traces instead of before its first kernel loads (hashing releases the GIL)."""
     def run():
         try:
