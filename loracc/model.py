@@ -550,6 +550,10 @@ class _HeadForward:
         extra = [k for k, v in call.items() if k not in self.FUSED_KEYS and not _is_default(k, v)]
         if not (lm.training and torch.is_grad_enabled()) or labels is None or extra:
             return eager(*args, **kwargs)
+        if getattr(lm.config, "output_router_logits", False):
+            # A mixture of experts adds its router's load-balancing loss to the head's: the eager
+            # head computes both.
+            return eager(*args, **kwargs)
         if any(getattr(m, key) for m in (decoder.norm, lm.lm_head) for key in RUN_HOOKS):
             # The head region calls neither module as the eager forward does (the norm is deferred
             # into it, the fused loss reads the projection's weight): their hooks need the eager head.
