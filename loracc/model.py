@@ -451,8 +451,34 @@ def _causal_lm(model: nn.Module):
             and isinstance(getattr(decoder, "norm", None), nn.Module)
             and hasattr(module, "loss_function")
         ):
+            extra = _head_extras(module)
+            if extra:
+                warnings.warn(
+                    f"loracc: {type(module).__name__}'s forward also uses {', '.join(extra)} besides the final norm, "
+                    "lm_head and loss: its head runs eagerly (the decoder layers are compiled)", stacklevel=4)
+                return None
             return module, decoder
     return None
+
+
+# What a causal LM's forward may read for the head region to compute what it computes: the decoder,
+# lm_head and loss_function, and the output plumbing (Llama's forward reads exactly these); a
+# mixture-of-experts model's load-balancing loss, added only with output_router_logits (checked per
+# call). Anything else (a logit scale or soft-cap, a z-loss) is computed by the model's own forward.
+HEAD_NAMES = {
+    "CausalLMOutputWithPast", "attentions", "cache", "config", "hidden_states", "last_hidden_state", "lm_head",
+    "loss_function", "model", "slice_logits_to_keep", "vocab_size",
+    "int", "isinstance", "slice", "past_key_values",  # logits_to_keep and the cache, as older releases write them
+    "MoeCausalLMOutputWithPast", "device", "to", "load_balancing_loss_func", "num_experts", "num_experts_per_tok",
+    "output_router_logits", "router_aux_loss_coef", "router_logits",
+}
+
+
+def _head_extras(lm: nn.Module) -> list[str]:
+    """The names ``lm``'s forward reads that the head region does not reproduce."""
+    forward = inspect.unwrap(type(lm).forward)
+    code = getattr(forward, "__code__", None)
+    return ["its code unknown"] if code is None else sorted(set(code.co_names) - HEAD_NAMES)
 
 
 class _Head(nn.Module):

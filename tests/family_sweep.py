@@ -128,16 +128,8 @@ def build_causal_lm(model_type: str, seed: int = 0):
     return model_cls(config)
 
 
-# Families whose compiled training is known to end WRONG or ERROR, for a reason in loracc/model.py: the head region (loracc/model.py) computes norm → lm_head → loss and drops what these
-# causal LMs' forwards do beside it.
-_HEAD = ("the head region (loracc/model.py, _Head) computes final norm → lm_head → loss and drops the {} "
-         "this model's forward applies to the logits; the head should run eagerly for it")
+# Families whose compiled training is known to end WRONG or ERROR, for a reason in loracc/model.py.
 KNOWN = {
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _HEAD.format("logit_scale")),
-    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-                     "granitemoeshared", "hyperclovax", "minicpm3"), _HEAD.format("logits_scaling")),
-    **dict.fromkeys(("gemma2", "vaultgemma", "nanochat"), _HEAD.format("final_logit_softcapping")),
-    "inkling_text": _HEAD.format("logits_mup_width_multiplier"),
     "cpmant": ("loracc/model.py (_NoCacheInTraining) adds use_cache=False as a keyword where the caller passed "
                "use_cache positionally: TypeError (ERROR, not silent)"),
     "dory": ("loracc/model.py (_NoCacheInTraining) sets use_cache=False, while Dory runs its layers twice per "
