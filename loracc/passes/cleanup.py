@@ -24,6 +24,7 @@ def cleanup(gm: fx.GraphModule) -> PassResult:
     linears_before = _count_linears(gm)
     before = len(gm.graph.nodes)
     _sizes_from_inputs(gm.graph)
+    _drop_lone_clones(gm.graph)
     # Last node first, so that a 3-d linear (view, mm, _unsafe_view) folds whole before its 2-d mm
     # (whose own fold, left without users, goes with the dead code).
     folded = sum(_fold_linear(node) for node in reversed(list(gm.graph.nodes)))
@@ -32,6 +33,26 @@ def cleanup(gm: fx.GraphModule) -> PassResult:
     gm.recompile()
     removed = before + folded - len(gm.graph.nodes)
     return PassResult(gm, {"linears folded": _count_linears(gm) - linears_before, "dead nodes removed": removed})
+
+
+def _drop_lone_clones(graph: fx.Graph) -> None:
+    """Remove ``clone(v)`` where ``v`` is a fresh value (not a view, not a graph input) that nothing
+    else reads and the clone's users never write in place: the same values, one copy fewer (PEFT's
+    4-bit LoRA layer clones its base output, which hid the base linear from ``lora_match``)."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.clone.default)):
+        src = node.args[0]
+        if node.kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format:
+            continue
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and list(src.users) == [node]):
+            continue
+        schema = getattr(src.target, "_schema", None)
+        if schema is None or any(r.alias_info is not None for r in schema.returns):
+            continue  # a view (or an op outside ATen): the clone may be what keeps it apart
+        if any(getattr(getattr(u.target, "_schema", None), "is_mutable", True) for u in node.users
+               if u.op == "call_function"):
+            continue  # a user that writes in place (or one we cannot tell): keep the copy
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
 
 
 def _sizes_from_inputs(graph: fx.Graph) -> None:
