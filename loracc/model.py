@@ -378,6 +378,8 @@ class _NoCacheInTraining:
         forward = type(self.module).forward
         if self.module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
             call = _bound_call(self.module, args, kwargs)
+            if call is not None and call.get("use_cache") is not None:
+                return forward(self.module, *args, **kwargs)  # passed positionally: the caller asked
             if call is not None and _cache_changes_the_mask(self.module, call):
                 with _all_eager():
                     return forward(self.module, *args, **kwargs)

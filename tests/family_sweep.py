@@ -130,8 +130,6 @@ def build_causal_lm(model_type: str, seed: int = 0):
 
 # Families whose compiled training is known to end WRONG or ERROR, for a reason in loracc/model.py.
 KNOWN = {
-    "cpmant": ("loracc/model.py (_NoCacheInTraining) adds use_cache=False as a keyword where the caller passed "
-               "use_cache positionally: TypeError (ERROR, not silent)"),
     "dory": ("loracc/model.py (_NoCacheInTraining) sets use_cache=False, while Dory runs its layers twice per "
              "step and with a cache (its config's default) the second call attends to the first call's keys"),
 }
