@@ -153,8 +153,6 @@ def test_layers_whose_outputs_transformers_records_run_eagerly():
     assert all(r.calls == 0 for r in loracc.explain(compiled).regions if r.kind == "block")
 
 
-@pytest.mark.xfail(strict=False, reason="the head region (loracc/model.py) drops the load-balancing loss that "
-                                        "output_router_logits adds; its head should run eagerly then")
 def test_moe_load_balancing_loss_matches_eager():
     _check(_moe_recording_router_logits(), allowed=("PASS", "FALLBACK"))
 
