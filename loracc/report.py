@@ -149,7 +149,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
 def _graph_decisions(region) -> list[str]:
     """Per compiled graph of the region (every program: a first layer whose input needs no gradient
     has its own), whether it replays as a CUDA graph and why."""
-    programs = _programs(region)
+    programs = region.compiled_programs
     decisions = []
     for i, program in enumerate(programs):
         label = f"call signature {i + 1} of {len(programs)}, " if len(programs) > 1 else ""
@@ -163,14 +163,9 @@ def _graph_decisions(region) -> list[str]:
     return decisions
 
 
-def _programs(region) -> list:
-    """The region's programs, each once (a symbolic program serves the keys of many sizes)."""
-    return list({id(p): p for p in region.programs.values() if p is not None}.values())
-
-
 def _traces(region) -> list[str]:
     """Per call signature of the region, whether its graphs were traced or read from the trace cache."""
-    programs = _programs(region)
+    programs = region.compiled_programs
     lines = []
     for i, program in enumerate(programs):
         label = f"call signature {i + 1} of {len(programs)}: " if len(programs) > 1 else ""

@@ -189,14 +189,13 @@ class Region:
             # their calls are served by this one where its guards admit them, else compile anew.
             for k in static:
                 del self.programs[k]
-        compiled = [p for p in self.programs.values() if p is not None]
-        if program.dynamic:
-            pass  # runs from Python: a CUDA graph is made for one set of sizes
-        elif len(compiled) >= AUTO_GRAPHED_SIGNATURES:
-            _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
-                                          f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only")
-        elif compiled:
-            share_decisions(compiled[0], program)
+        if not program.dynamic:  # a symbolic program runs from Python: a CUDA graph holds one set of sizes
+            compiled = self.compiled_programs
+            if len(compiled) >= AUTO_GRAPHED_SIGNATURES:
+                _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
+                                              f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only")
+            elif compiled:
+                share_decisions(compiled[0], program)
         self.programs[key] = program
         self.captures += 1
         if self.captures >= RECOMPILE_WARNING_AT and not self._warned_storm:
@@ -223,6 +222,11 @@ class Region:
     def repeats(self) -> int:
         """How many times a step runs this region's program: every layer of a block region."""
         return len(self.modules) if self.kind == "block" else 1
+
+    @property
+    def compiled_programs(self) -> list[Program]:
+        """Each compiled program once, in compile order (a symbolic program serves the keys of many sizes)."""
+        return list({id(p): p for p in self.programs.values() if p is not None}.values())
 
     @property
     def latest(self) -> Program | None:
