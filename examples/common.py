@@ -1,4 +1,4 @@
-"""What the training examples share: the device to use, a progress bar, and the end-of-run summary."""
+"""What the training examples share: the device to use, the --memory-budget argument, a progress bar, and the end-of-run summary."""
 from __future__ import annotations
 
 import resource
@@ -14,6 +14,16 @@ def pick_device(name: str | None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def memory_budget(text: str | None):
+    """``"0.5"`` → 0.5 (a fraction); ``"8GB"`` stays a size; ``None`` → the fastest plan."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def peak_memory(device: torch.device) -> str:

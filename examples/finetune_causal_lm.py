@@ -27,7 +27,7 @@ import transformers  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 import loracc  # noqa: E402
-from common import TrainingMeter, pick_device  # noqa: E402
+from common import TrainingMeter, memory_budget, pick_device  # noqa: E402
 from loracc.io import load_base_weights, save_adapter  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "support_train.csv"
@@ -64,16 +64,6 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", help="save the trained adapter here, in PEFT's format")
     parser.add_argument("--no-compile", action="store_true", help="train the eager PEFT model, for comparison")
     return parser.parse_args(argv)
-
-
-def memory_budget(text: str | None):
-    """``"0.5"`` → 0.5 (a fraction); ``"8GB"`` stays a size; ``None`` → the fastest plan."""
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def build_model(args, device, dtype):

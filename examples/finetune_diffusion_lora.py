@@ -40,7 +40,7 @@ from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 import loracc  # noqa: E402
-from common import TrainingMeter, pick_device  # noqa: E402
+from common import TrainingMeter, memory_budget, pick_device  # noqa: E402
 
 ATTENTION = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0"]
 JOINT = ATTENTION + ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -220,16 +220,6 @@ def save_lora(model, kind: Kind, directory) -> Path:
         directory, **{f"{kind.prefix}_lora_layers": get_peft_model_state_dict(model),
                       f"{kind.prefix}_lora_adapter_metadata": model.peft_config["default"].to_dict()})
     return Path(directory) / "pytorch_lora_weights.safetensors"
-
-
-def memory_budget(text: str | None):
-    """``"0.5"`` → 0.5 (a fraction); ``"16GB"`` stays a size; ``None`` → the fastest plan."""
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def main(argv=None):
