@@ -35,7 +35,8 @@ import torch  # noqa: E402
 import loracc  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.workloads import LORA_ALPHA, LORA_R, LORA_TARGETS, WORKLOADS  # noqa: E402
-from loracc import codegen, passes, pipeline, runtime  # noqa: E402
+from loracc import codegen, passes, pipeline  # noqa: E402
+from loracc.runtime import region  # noqa: E402
 
 STAGES = ["capture_forward", "copy_graph", "derive_joint", "remat", "partition", "fusion", "memory_plan"]
 
@@ -58,8 +59,8 @@ def instrument(seconds: dict, profiler: cProfile.Profile | None) -> None:
     pipeline.FORWARD_PASSES = [timed(p.__name__, p) for p in passes.FORWARD_PASSES]
     codegen.DeviceBackends.compile = timed("codegen", codegen.DeviceBackends.compile)
     if profiler is not None:
-        compile_call = runtime.compile_call
-        runtime.compile_call = functools.partial(profiler.runcall, compile_call)
+        compile_call = region.compile_call
+        region.compile_call = functools.partial(profiler.runcall, compile_call)
 
 
 def main(argv=None) -> int:

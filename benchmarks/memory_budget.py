@@ -52,7 +52,7 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
 
     import loracc
     from loracc.passes.remat import saving_everything
-    from loracc.pipeline import predicted_peak_bytes
+    from loracc.runtime.memory import predicted_peak_bytes
 
     record = dict(workload=workload, budget=budget_text, batch=batch, seq=seq, status="ok")
     device = "cuda" if torch.cuda.is_available() else "cpu"

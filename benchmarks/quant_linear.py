@@ -31,9 +31,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from loracc.ops import dequant_fp8, dequant_nf4
-from loracc.quant.fp8 import FP8, quantize_fp8
-from loracc.quant.nf4 import dequantize_nf4, quantize_nf4
+from loracc.quant.fp8 import FP8, dequant_fp8, quantize_fp8
+from loracc.quant.nf4 import dequant_nf4, dequantize_nf4, quantize_nf4
 
 LLAMA_3_8B = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
               "gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_proj": (14336, 4096)}

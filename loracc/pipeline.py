@@ -10,15 +10,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 from torch import nn
 
-from .capture import CallSignature, CapturedForward, capture_forward, derive_joint
-from .graph import copy_graph, output_node, placeholders, role
+from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint
+from .capture.trace_cache import Traced, cached_trace
+from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
 from .passes import FORWARD_PASSES, fusion, memory_plan, partition, remat
-from .passes.memory_plan import RegionMemory, step_peak_bytes, value_bytes
-from .trace_cache import Traced, cached_trace
 
 
 @dataclass
@@ -91,7 +89,7 @@ def compile_call(
     reports["memory_plan"] = memory
 
     # A layer's parameters are the same tensors at every call, and so is what its forward saves
-    # (replayed as CUDA graphs: read in place, see cuda_graphs).
+    # (replayed as CUDA graphs: read in place, see runtime/cuda_graphs.py).
     n_saved = len(output_node(parts.forward).args[0]) - n_outputs
     forward = backend.compile(parts.forward, "forward", repeats=repeats, fixed_inputs=len(state), lend_from=n_outputs)
     return Program(
@@ -121,59 +119,3 @@ def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: li
         reports[pass_.__name__] = result.report
     stages["joint"] = derive_joint(gm, needs_grad)
     return Traced(captured, stages, reports)
-
-
-def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
-    """What the CUDA graphs that replay (or may still decide to) keep allocated for good: the
-    buffers their copied inputs go to (shared by every graph, ``SharedPool.copy_buffers``), the
-    outputs each layer's graph keeps besides what its forward lends its backward (that is counted
-    with the step's saved activations) and those it writes into a copied input's buffer
-    (``cuda_graphs.routes``), and the largest workspace among them (every graph captures into one
-    shared pool; see ``cuda_graphs``). ``runs``: each program with how many times a step runs it.
-    An estimate from the memory plans."""
-    from .cuda_graphs import Replayer, routes
-
-    held = workspace = 0
-    buffers: dict = {}  # (shape, dtype) → (bytes, the most copied inputs of that kind in one graph)
-    for program, repeats in runs:
-        for stage in ("forward", "backward"):
-            fn = getattr(program, stage)
-            if not (isinstance(fn, Replayer) and fn.may_graph):
-                continue
-            graph = program.stages[stage]
-            ins = [p.meta.get("val") for p in placeholders(graph)]
-            vals = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in output_node(graph).args[0]]
-            outs = [value_bytes(v) for v in vals]
-            not_lent = len(outs) if fn.lend_from is None else fn.lend_from
-            routed = routes(ins, vals, [i < fn.fixed_inputs for i in range(len(ins))], not_lent)  # in copied inputs' buffers
-            kept = sum(b for j, b in enumerate(outs[:not_lent]) if j not in routed)
-            copied = [v for v in ins[fn.fixed_inputs:] if isinstance(v, torch.Tensor)]
-            kinds = [(tuple(v.shape), v.dtype) for v in copied]
-            for v, kind in zip(copied, kinds):
-                buffers[kind] = (value_bytes(v), max(buffers.get(kind, (0, 0))[1], kinds.count(kind)))
-            held += kept * (repeats if fn.fixed_inputs else 1)
-            workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - sum(outs))
-    return held + sum(size * count for size, count in buffers.values()) + workspace
-
-
-def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:
-    """The predicted peak memory of one training step, before it runs.
-
-    ``runs``: each compiled region's program with how many times a step runs it (a block region: its
-    number of layers); ``persistent_bytes``: what lives across steps (weights, buffers, LoRA
-    gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``. Programs replayed as CUDA
-    graphs (or still to decide, with ``cuda_graphs="auto"``) add ``cuda_graph_bytes``.
-    """
-    regions = []
-    for program, repeats in runs:
-        memory = program.reports["memory_plan"]
-        regions.append(RegionMemory(
-            repeats=repeats,
-            saved_bytes=memory["forward"]["saved_bytes"],
-            saved_input_bytes=memory["forward"]["saved_input_bytes"],
-            forward_peak_bytes=memory["forward"]["peak_bytes"],
-            backward_peak_bytes=memory["backward"]["peak_bytes"],
-            tangent_bytes=memory["tangent_bytes"],
-        ))
-    return step_peak_bytes(regions, persistent_bytes) + cuda_graph_bytes(runs)
-

@@ -5,8 +5,8 @@ import copy
 
 import torch
 
-from loracc.capture import call_signature, capture_forward, module_state
-from loracc.graph import placeholders
+from loracc.capture.trace import call_signature, capture_forward, module_state
+from loracc.ir.graph import placeholders
 
 
 def capture(module, *args, **kwargs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loracc import presets
+from loracc.tools import presets
 from loracc.passes import cleanup
 from conftest import rel_err
 from passes_util import capture, random_like, run, snapshot

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from loracc import presets
-from loracc.cli import main
+from loracc.tools import presets
+from loracc.tools.cli import main
 
 
 def test_dump_preset_prints_every_stage_and_writes_dot_and_json(tmp_path, capsys):
@@ -41,7 +41,7 @@ def test_explain_on_a_local_hugging_face_directory(tmp_path, capsys):
 
 def test_module_function_source(tmp_path, capsys, monkeypatch):
     (tmp_path / "my_model.py").write_text(
-        "from loracc import presets\n\ndef build():\n    return presets.plain()\n"
+        "from loracc.tools import presets\n\ndef build():\n    return presets.plain()\n"
     )
     monkeypatch.chdir(tmp_path)
     assert main(["explain", "my_model:build"]) == 0
@@ -123,7 +123,7 @@ def test_check_a_model_alone_from_module_function(private_cache, tmp_path, capsy
     pytest.importorskip("peft")
     (tmp_path / "user_model.py").write_text(
         "from peft import LoraConfig, get_peft_model\n"
-        "from loracc import presets\n\n"
+        "from loracc.tools import presets\n\n"
         "def build():\n"
         "    return get_peft_model(presets.hf_decoder('qwen2'), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))\n"
     )
@@ -138,10 +138,10 @@ def test_check_a_model_alone_from_module_function(private_cache, tmp_path, capsy
 def test_check_whole_step_sees_what_a_first_call_does_not(private_cache, capsys, monkeypatch):
     """A planted bug that spares each program's first call (as one that needs several layers in
     sequence would): every region passes, the whole step against the eager copy does not."""
-    from loracc import runtime
+    from loracc.runtime import region
 
     verified = set()  # the programs past their verification
-    real_verify, real_backward = runtime.verification.verify_call, runtime._RegionFunction.backward
+    real_verify, real_backward = region.verification.verify_call, region._RegionFunction.backward
 
     def verify_call(program, *args, **kwargs):
         result = real_verify(program, *args, **kwargs)
@@ -152,8 +152,8 @@ def test_check_whole_step_sees_what_a_first_call_does_not(private_cache, capsys,
         grads = real_backward(ctx, *grad_outputs)
         return tuple(-g if g is not None and id(ctx.program) in verified else g for g in grads)
 
-    monkeypatch.setattr(runtime.verification, "verify_call", verify_call)
-    monkeypatch.setattr(runtime._RegionFunction, "backward", staticmethod(backward))
+    monkeypatch.setattr(region.verification, "verify_call", verify_call)
+    monkeypatch.setattr(region._RegionFunction, "backward", staticmethod(backward))
     assert main(["check", "plain"]) == 1
     rows = _table(capsys.readouterr().out)
     step = rows.pop("whole step vs an eager copy (loss, every trainable parameter)")
@@ -163,7 +163,7 @@ def test_check_whole_step_sees_what_a_first_call_does_not(private_cache, capsys,
 
 def test_check_in_bf16_judges_against_fp32_where_two_bf16_runs_differ(private_cache, capsys, monkeypatch):
     """With a bf16 tolerance no two bf16 computations meet, every row is judged against fp32 runs."""
-    from loracc import verify
+    from loracc.runtime import verify
 
     monkeypatch.setitem(verify.TOLERANCES, torch.bfloat16, 1e-9)
     assert main(["check", "plain", "--dtype", "bfloat16"]) == 0
@@ -174,7 +174,7 @@ def test_check_in_bf16_judges_against_fp32_where_two_bf16_runs_differ(private_ca
 def test_check_shows_a_region_that_runs_eagerly_as_fallback_with_its_reason(private_cache, tmp_path, capsys, monkeypatch):
     pytest.importorskip("peft")
     (tmp_path / "hooked_model.py").write_text(
-        "from loracc import presets\n\n"
+        "from loracc.tools import presets\n\n"
         "def build():\n"
         "    model, batch = presets.preset('llama', seq=7)\n"
         "    model.base_model.model.model.norm.register_forward_hook(lambda module, args, output: None)\n"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loracc.codegen import autotune, cache, kernels_cli
+from loracc.codegen import autotune, cache
+from loracc.tools import kernels_cli
 from loracc.codegen.lora_gemm import LoraGemm
 from loracc.codegen.render import render, template_dir
 from loracc.errors import LoraccError

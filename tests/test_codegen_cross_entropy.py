@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_err
-from loracc import cross_entropy as reference
+from loracc.ir import cross_entropy as reference
 from loracc.codegen import cross_entropy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

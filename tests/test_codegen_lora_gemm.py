@@ -20,8 +20,8 @@ from conftest import rel_err  # noqa: E402
 from loracc.codegen import autotune, lora_gemm_tma, lora_linear  # noqa: E402
 from loracc.codegen.lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, LoraGemm  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
-from loracc.ops import lora_linear as reference_forward  # noqa: E402
-from loracc.ops import lora_linear_backward as reference_backward  # noqa: E402
+from loracc.ir.ops import lora_linear as reference_forward  # noqa: E402
+from loracc.ir.ops import lora_linear_backward as reference_backward  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))

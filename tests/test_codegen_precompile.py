@@ -204,7 +204,7 @@ def test_a_launch_after_compile_ahead_compiles_nothing(monkeypatch):
 
 def test_every_cross_entropy_chunk_launches_as_the_kernel_warmed_up(monkeypatch):
     """Chunks start on 16-row boundaries, so one compiled variant serves them all."""
-    from loracc import cross_entropy as reference
+    from loracc.ir import cross_entropy as reference
     from loracc.codegen import cross_entropy
 
     recorder = Recorder()
@@ -225,7 +225,7 @@ def test_every_cross_entropy_chunk_launches_as_the_kernel_warmed_up(monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_adamw_kernel_warms_up_as_it_launches(monkeypatch, dtype):
     """FusedAdamW compiles its kernel while the first forward runs: for the launch its step makes."""
-    from loracc import optim
+    from loracc.training import optim
 
     recorder = Recorder()
     monkeypatch.setattr(optim, "_kernel", lambda *args: recorder)

@@ -17,12 +17,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import loracc  # noqa: E402
-from loracc import presets  # noqa: E402
+from loracc.tools import presets  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from loracc._compat import trace  # noqa: E402
 from loracc.codegen import get_backend, lora_linear  # noqa: E402
 from loracc.codegen.triton_backend import TritonBackend, available  # noqa: E402
-from loracc.ops import LORA_LINEAR  # noqa: E402
+from loracc.ir.ops import LORA_LINEAR  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import loracc
-from loracc import cross_entropy, presets
+from loracc.ir import cross_entropy
+from loracc.tools import presets
 from conftest import rel_err
 
 

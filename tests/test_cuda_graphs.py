@@ -8,8 +8,8 @@ import torch
 
 import loracc
 from conftest import rel_err
-from loracc import presets
-from loracc.cuda_graphs import Replayer
+from loracc.tools import presets
+from loracc.runtime.cuda_graphs import Replayer
 from loracc.errors import LoraccError
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -110,11 +110,11 @@ def test_cuda_graphs_need_the_triton_backend_on_a_gpu():
 
 
 def test_auto_graphs_only_with_the_fastest_plan_on_a_gpu():
-    from loracc.model import _graph_mode
+    from loracc.options import graph_mode
 
-    assert _graph_mode("auto", None) == "auto"
-    assert _graph_mode("auto", 0.5) == "off" and _graph_mode("auto", "8GB") == "off"
-    assert _graph_mode(True, "8GB") == "on" and _graph_mode(False, None) == "off"
+    assert graph_mode("auto", None) == "auto"
+    assert graph_mode("auto", 0.5) == "off" and graph_mode("auto", "8GB") == "off"
+    assert graph_mode(True, "8GB") == "on" and graph_mode(False, None) == "off"
     model, batch = presets.preset("llama")
     model = loracc.compile(model)  # on the CPU: "auto" means nothing is graphed, no error
     model(**batch).loss.backward()
@@ -135,7 +135,7 @@ def _compiled_with_replayers(mode):
 
 
 def test_predicted_peak_counts_the_graphs_memory_until_they_are_dropped():
-    from loracc.pipeline import cuda_graph_bytes, predicted_peak_bytes
+    from loracc.runtime.memory import cuda_graph_bytes, predicted_peak_bytes
     from loracc.passes.memory_plan import value_bytes
 
     model, runs = _compiled_with_replayers("auto")
@@ -201,7 +201,7 @@ class _FakeGraphed:
 def fake_capture(monkeypatch):
     """Replayer's decisions on a CPU: captures faked, each Python call timed at 1.0 s and each
     replay at ``replay_s[name]`` (the decision compares the two)."""
-    from loracc import cuda_graphs
+    from loracc.runtime import cuda_graphs
 
     _FakeGraphed.captured = []
     replay_s = {}
@@ -230,7 +230,7 @@ def _named(name, fails=False):
 
 
 def test_auto_keeps_a_graph_only_where_a_replay_is_clearly_faster(fake_capture):
-    from loracc.cuda_graphs import KEEP_BELOW, SharedPool
+    from loracc.runtime.cuda_graphs import KEEP_BELOW, SharedPool
 
     fake_capture.update(fast=0.5, slow=0.99, edge=KEEP_BELOW)
     pool = SharedPool()
@@ -285,9 +285,9 @@ def test_auto_backward_follows_its_forward_and_a_failed_capture_stays_in_python(
 def test_auto_graphs_a_regions_first_call_signatures_only(monkeypatch):
     """Static programs only (each call signature its own program): "auto" stops trying graphs after
     a region's first two call signatures (each kept graph holds its inputs and outputs)."""
-    from loracc.runtime import AUTO_GRAPHED_SIGNATURES
+    from loracc.runtime.region import AUTO_GRAPHED_SIGNATURES
 
-    monkeypatch.setattr(loracc.runtime, "STATIC_SIGNATURES", 10**6)
+    monkeypatch.setattr(loracc.runtime.region, "STATIC_SIGNATURES", 10**6)
     model, batch = presets.preset("llama", layers=3, seq=12)
     model = loracc.compile(model, backend="eager")
     backend = model._loracc.backend
@@ -337,7 +337,7 @@ def _two_outputs(name):
 
 
 def _layered(fake_capture, max_captures=20, mode="on"):
-    from loracc.cuda_graphs import SharedPool
+    from loracc.runtime.cuda_graphs import SharedPool
 
     pool = SharedPool()
     forward = Replayer(_two_outputs("fwd"), "forward graph", mode=mode, pool=pool, fixed_inputs=1, lend_from=1,
@@ -349,7 +349,7 @@ def _layered(fake_capture, max_captures=20, mode="on"):
 
 def _step(forward, backward, weights, x, forwards=1):
     """``forwards`` forward passes over the layers, then their backwards (last pass first)."""
-    from loracc.cuda_graphs import check_lease
+    from loracc.runtime.cuda_graphs import check_lease
 
     leases = []
     for _ in range(forwards):
@@ -386,7 +386,7 @@ def test_each_layer_replays_its_own_graphs_and_settles_in_step_order(fake_captur
 
 
 def test_a_replay_that_could_overwrite_a_lent_output_captures_again(fake_capture):
-    from loracc.cuda_graphs import LoraccError, check_lease
+    from loracc.runtime.cuda_graphs import LoraccError, check_lease
 
     pool, forward, backward = _layered(fake_capture)
     weights, x = [torch.randn(3) for _ in range(2)], torch.randn(3)
@@ -431,7 +431,7 @@ def test_saved_tensor_hooks_replay_one_copy_graph_that_lends_nothing(fake_captur
 def test_a_backward_copies_the_activations_its_forward_passed_through():
     """A forward that saves its own input (a layer's hidden states) passes the caller's tensor
     through: the backward graph copies it in; lent outputs and weights it reads in place."""
-    from loracc.cuda_graphs import Replayer
+    from loracc.runtime.cuda_graphs import Replayer
 
     forward = Replayer(lambda w, x: [x + w, w, x * 2, x], "forward graph", fixed_inputs=1, lend_from=1)
     backward = Replayer(lambda *i: [i[0]], "backward graph", after=forward, fixed_inputs=3)
@@ -499,7 +499,7 @@ def test_a_forward_keeps_one_graph_per_layer_and_drops_the_stale_ones(fake_captu
 
 
 def test_outputs_not_lent_go_into_a_copied_inputs_buffer():
-    from loracc.cuda_graphs import routes
+    from loracc.runtime.cuda_graphs import routes
 
     w, x, t, mask = torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
     hidden, grad, lent, small = x + 1, x * 2, x * 3, torch.randn(4)
@@ -515,7 +515,7 @@ def test_outputs_not_lent_go_into_a_copied_inputs_buffer():
 
 
 def test_a_lent_output_that_views_a_copied_input_fails_the_capture():
-    from loracc.cuda_graphs import check_lent
+    from loracc.runtime.cuda_graphs import check_lent
 
     w, x = torch.randn(4), torch.randn(2, 4)
     check_lent([w, x], [x + 1, w[:2], x], [True, False], 1)  # a view of a weight read in place; x itself
@@ -528,8 +528,8 @@ def test_a_layers_hidden_states_and_input_gradient_need_no_memory_of_their_own()
     """The graphs of a decoder layer: its forward's output (the hidden states) and its backward's
     gradient of the layer input go into copied inputs' buffers, so the predicted graph memory has no
     per-layer copy of them."""
-    from loracc.cuda_graphs import routes
-    from loracc.graph import output_node, placeholders, role
+    from loracc.runtime.cuda_graphs import routes
+    from loracc.ir.graph import output_node, placeholders, role
 
     model, batch = presets.preset("llama", layers=3)
     model = loracc.compile(model, backend="eager")
@@ -553,7 +553,7 @@ def test_a_layers_hidden_states_and_input_gradient_need_no_memory_of_their_own()
 def test_layer_graphs_write_their_outputs_into_one_shared_buffer():
     """Per-layer graphs over different weights: each call's output equals the function's and stays
     the caller's after later replays, and the graphs keep no memory of their own for it."""
-    from loracc.cuda_graphs import SharedPool
+    from loracc.runtime.cuda_graphs import SharedPool
 
     def layer(w, x):
         return [x * w + 1, (x * w).sum()]  # the second: lent (saved for a backward)
@@ -586,7 +586,7 @@ def test_a_regions_two_programs_decide_together_and_capture_in_step_order(fake_c
     """A block's first layer (its own program, called once a step) takes the decision the other
     layers' program made: its graphs are captured in the next step, in layer order, and no later
     step captures again. Without it, it measures a step later and every layer captures again."""
-    from loracc.cuda_graphs import SharedPool, share_decisions
+    from loracc.runtime.cuda_graphs import SharedPool, share_decisions
 
     fake_capture.update(fwd=0.5, bwd=0.5, fwd0=0.5, bwd0=0.5)
     pool = SharedPool()

@@ -394,8 +394,8 @@ TRACE_KEY_SNIPPET = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_diffusion import tiny_unet, with_lora, UNET_TARGETS
-from loracc.capture import call_signature
-from loracc.trace_cache import trace_key
+from loracc.capture.trace import call_signature
+from loracc.capture.trace_cache import trace_key
 torch.manual_seed(0)
 block = with_lora(tiny_unet(), UNET_TARGETS).mid_block.attentions[0]
 print(trace_key(block, "mid_block.attentions.0", call_signature((torch.randn(2, 48, 3, 5),), {{}})))

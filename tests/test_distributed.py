@@ -24,7 +24,7 @@ import torch
 
 import loracc
 from loracc.distributed import FlatGradientSync, global_num_items
-from loracc.presets import preset
+from loracc.tools.presets import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 11
@@ -562,7 +562,7 @@ def test_helpers_in_a_single_rank_group(tmp_path):
     optimizer takes the place of the old one."""
     import torch.distributed as dist
 
-    from loracc.presets import plain
+    from loracc.tools.presets import plain
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

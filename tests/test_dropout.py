@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import loracc
-from loracc import presets
+from loracc.tools import presets
 from conftest import rel_err
 
 

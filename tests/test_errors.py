@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import loracc
-from loracc import presets
+from loracc.tools import presets
 
 
 def test_not_a_module():

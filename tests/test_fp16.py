@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 import loracc
-from loracc import cross_entropy
+from loracc.ir import cross_entropy
 
 from conftest import rel_err
 from test_trainer import Tokens, base, saved_adapters

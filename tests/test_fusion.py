@@ -116,7 +116,7 @@ def test_swiglu_backward_is_fused():
 
 def test_compiled_block_graphs_carry_fused_nodes_with_their_members():
     import loracc
-    from loracc.presets import preset
+    from loracc.tools.presets import preset
 
     model, batch = preset("llama")
     model = loracc.compile(model, backend="eager")
@@ -126,7 +126,7 @@ def test_compiled_block_graphs_carry_fused_nodes_with_their_members():
     assert report["forward"]["groups"] >= 4 and report["backward"]["groups"] >= 4
     fused = [n for n in program.stages["backward"].graph.nodes if isinstance(n.target, FusedRows)]
     assert all(n.meta["loracc"]["fused"] for n in fused)
-    from loracc.dump import graph_text
+    from loracc.tools.dump import graph_text
 
     text = graph_text(program.stages["backward"], "backward")
     assert "= fused_rows_" in text and "fuses " in text and "rsqrt" in text

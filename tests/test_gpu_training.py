@@ -12,8 +12,8 @@ import torch
 
 import loracc
 from conftest import rel_err
-from loracc import presets
-from loracc.cuda_graphs import Replayer
+from loracc.tools import presets
+from loracc.runtime.cuda_graphs import Replayer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 TOL = 2e-2  # 16-bit arithmetic

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import loracc
-from loracc import presets
+from loracc.tools import presets
 from conftest import rel_err
 
 pytest.importorskip("peft")

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import loracc
-from loracc import presets
-from loracc.ops import LORA_LINEAR
+from loracc.tools import presets
+from loracc.ir.ops import LORA_LINEAR
 from loracc.passes import cleanup, lora_match
 from conftest import rel_err
 from passes_util import capture, random_like, run, snapshot

@@ -6,7 +6,7 @@ import copy
 import pytest
 
 import loracc
-from loracc import presets
+from loracc.tools import presets
 from conftest import rel_err
 
 pytest.importorskip("peft")

@@ -16,11 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import loracc
-from loracc import _compat, presets
-from loracc.graph import info, output_values, placeholders
+from loracc import _compat
+from loracc.tools import presets
+from loracc.ir.graph import info, output_values, placeholders
 from loracc.passes import memory_plan
 from loracc.passes.memory_plan import ALIGNMENT, buffers, graph_memory, plan_offsets, value_bytes
-from loracc.pipeline import predicted_peak_bytes
+from loracc.runtime.memory import predicted_peak_bytes
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import loracc
-from loracc.graph import copy_graph
+from loracc.ir.graph import copy_graph
 from loracc.passes import cleanup, fusion
 from conftest import rel_err
 from passes_util import capture, random_like, run

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 import loracc
-from loracc import FusedAdamW, LoraccError, optim, presets
+from loracc import FusedAdamW, LoraccError
+from loracc.training import optim
+from loracc.tools import presets
 from loracc.codegen.triton_backend import available
 from conftest import rel_err
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import loracc
-from loracc import presets
+from loracc.tools import presets
 from loracc.errors import Unsupported
-from loracc.graph import info, output_node, placeholders
+from loracc.ir.graph import info, output_node, placeholders
 from loracc.passes import partition
 from loracc.passes.partition import is_random, split
 from loracc.passes.remat import FASTEST, Cut

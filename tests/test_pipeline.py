@@ -7,9 +7,10 @@ import torch
 import torch.fx as fx
 
 import loracc
-from loracc import presets, runtime
-from loracc.graph import info, placeholders
-from loracc.ops import LORA_LINEAR
+from loracc.tools import presets
+from loracc.runtime import region
+from loracc.ir.graph import info, placeholders
+from loracc.ir.ops import LORA_LINEAR
 from conftest import rel_err
 
 
@@ -18,7 +19,7 @@ def compiled():
     """``(program, code_generated)``: a Llama block's program after one step with the eager backend,
     and the graphs whose code was generated, in order (None marks where ``compile_call`` ended)."""
     generated = []
-    python_code, compile_call = fx.Graph.python_code, runtime.compile_call
+    python_code, compile_call = fx.Graph.python_code, region.compile_call
 
     def counting_python_code(graph, *args, **kwargs):
         generated.append(graph)
@@ -34,7 +35,7 @@ def compiled():
     loracc.compile(model, backend="eager")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fx.Graph, "python_code", counting_python_code)
-        patch.setattr(runtime, "compile_call", marking_compile_call)
+        patch.setattr(region, "compile_call", marking_compile_call)
         model(**batch).loss.backward()
     program = next(r for r in model._loracc.regions if r.kind == "block").latest
     return program, generated

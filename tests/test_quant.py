@@ -14,9 +14,9 @@ import torch
 
 import loracc
 from conftest import rel_err
-from loracc import presets
-from loracc.graph import info
-from loracc.ops import DEQUANT_NF4, dequant_nf4
+from loracc.tools import presets
+from loracc.ir.graph import info
+from loracc.quant.nf4 import DEQUANT_NF4, dequant_nf4
 from loracc.quant import NF4Linear, nf4
 from loracc.quant.nf4 import NF4_CODE, dequantize_absmax, dequantize_nf4, dynamic_map, quantize_nf4
 
@@ -373,7 +373,7 @@ def test_unknown_quantized_layouts_are_named():
 def test_memory_counts_the_packed_weights_and_the_decode_workspace():
     """The persistent bytes are the packed weights and their quant state (not a 16/32-bit copy); the
     region's arena holds the decoded weights while they live (at least the largest one)."""
-    from loracc.model import persistent_bytes
+    from loracc.runtime.memory import persistent_bytes
     from loracc.quant import base_formats
 
     model, batch = presets.preset("llama", layers=2)
@@ -441,7 +441,7 @@ def test_compiled_fp8_model_matches_eager(block):
 
 
 @pytest.mark.xfail(strict=True, reason="lora_match._frozen_weight_root looks through loracc::dequant_nf4 only; "
-                   "it should look through every op in ops.DEQUANTIZERS")
+                   "it should look through every op in quant.DEQUANTIZERS")
 def test_fp8_lora_layers_are_fused():
     model, batch = presets.preset("llama", layers=2)
     loracc.quantize(model, "fp8")

@@ -9,16 +9,18 @@ import torch
 import torch.nn.functional as F
 
 import loracc
-from loracc import _compat, presets
-from loracc.dump import node_line
+from loracc import _compat
+from loracc.tools import presets
+from loracc.tools.dump import node_line
 from loracc.errors import LoraccError
-from loracc.capture import _annotate_joint
-from loracc.graph import info, placeholders
-from loracc.ops import LORA_LINEAR
+from loracc.capture.trace import _annotate_joint
+from loracc.ir.graph import info, placeholders
+from loracc.ir.ops import LORA_LINEAR
 from loracc.passes import remat
 from loracc.passes.memory_plan import activation_bytes, value_bytes
 from loracc.passes.partition import is_random, split
-from loracc.passes.remat import FASTEST, Budget, Cut, parse_budget, saving_everything
+from loracc.options import Budget, parse_budget
+from loracc.passes.remat import FASTEST, Cut, saving_everything
 from conftest import rel_err
 from test_partition import assert_split_matches_joint, reads_of_backward
 

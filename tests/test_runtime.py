@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import loracc
-from loracc import presets
+from loracc.tools import presets
 from conftest import rel_err
 
 pytest.importorskip("peft")
@@ -77,10 +77,10 @@ def test_new_sequence_length_recompiles_and_is_reported():
 
 def test_recompile_storm_warns_with_a_remedy(monkeypatch):
     # Static programs only (as if every call differed in more than its sizes): every length compiles.
-    monkeypatch.setattr(loracc.runtime, "STATIC_SIGNATURES", 10**6)
+    monkeypatch.setattr(loracc.runtime.region, "STATIC_SIGNATURES", 10**6)
     _, compiled, _ = _compiled(layers=1)
     with pytest.warns(UserWarning, match="compiled 8 times .*explain"):
-        for seq in range(3, 3 + loracc.runtime.RECOMPILE_WARNING_AT + 1):
+        for seq in range(3, 3 + loracc.runtime.region.RECOMPILE_WARNING_AT + 1):
             compiled(**presets.token_batch(101, batch=1, seq=seq)).loss.backward()
 
 
@@ -195,7 +195,7 @@ def test_progress_is_logged_quietly_by_default(caplog, capsys):
 def test_uncompile_restores_a_forward_set_on_the_instance_before_compile():
     import warnings as _warnings
 
-    from loracc import presets as _presets
+    from loracc.tools import presets as _presets
 
     model, batch = _presets.preset("llama")
     layer = model.base_model.model.model.layers[0]

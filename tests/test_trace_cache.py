@@ -15,9 +15,10 @@ import torch
 import torch.fx as fx
 
 import loracc
-from loracc import presets, trace_cache
-from loracc.capture import CapturedForward
-from loracc.trace_cache import Traced, Uncacheable
+from loracc.tools import presets
+from loracc.capture import trace_cache
+from loracc.capture.trace import CapturedForward
+from loracc.capture.trace_cache import Traced, Uncacheable
 
 REPO = Path(__file__).resolve().parent.parent
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -197,7 +198,7 @@ def test_a_second_process_reads_what_the_first_wrote(cache_dir):
     """Another process, with another string hash seed: the key is the same."""
     code = textwrap.dedent("""
         import loracc
-        from loracc import presets
+        from loracc.tools import presets
         model, batch = presets.preset("llama")
         loracc.compile(model, backend="eager")
         model(**batch).loss.backward()

@@ -12,7 +12,9 @@ import torch
 import torch.fx as fx
 
 import loracc
-from loracc import pipeline, presets, verify
+from loracc import pipeline
+from loracc.tools import presets
+from loracc.runtime import verify
 from loracc.passes import PassResult
 from conftest import rel_err
 
@@ -315,9 +317,9 @@ def test_a_wrong_symbolic_program_is_caught_at_its_first_call(monkeypatch):
     static program passes, the symbolic one is caught at its first call, the region then runs eagerly."""
     from types import SimpleNamespace
 
-    from loracc import runtime
+    from loracc.runtime import region
 
-    real_compile_call = runtime.compile_call
+    real_compile_call = region.compile_call
 
     def compile_call(*args, dynamic=False, **kwargs):
         program = real_compile_call(*args, dynamic=dynamic, **kwargs)
@@ -325,7 +327,7 @@ def test_a_wrong_symbolic_program_is_caught_at_its_first_call(monkeypatch):
             _flip_first_gradient(SimpleNamespace(gm=program.backward))
         return program
 
-    monkeypatch.setattr(runtime, "compile_call", compile_call)
+    monkeypatch.setattr(region, "compile_call", compile_call)
     model, batch = _model("plain")
     reference = copy.deepcopy(model)
     loracc.compile(model, backend="eager", verify=True)

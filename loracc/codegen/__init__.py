@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import LoraccError
+from . import nf4  # noqa: F401  (registers loracc::dequant_nf4's CUDA kernel)
 from .triton_backend import TritonBackend, available
 
 
@@ -37,11 +38,11 @@ class EagerBackend:
 BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}
 
 
-def _resolve(name: str, device: torch.device, cuda_graphs: str) -> object:
+def _resolve(name: str, device: torch.device, cuda_graphs: str, graphs) -> object:
     if name == "auto":
         name = "triton" if device.type == "cuda" and available(device) is None else "eager"
     if name == "triton":
-        return TritonBackend(device, cuda_graphs=cuda_graphs)
+        return TritonBackend(device, cuda_graphs=cuda_graphs, graphs=graphs)
     return BACKENDS[name](device)
 
 
@@ -51,8 +52,8 @@ class DeviceBackends:
     it) runs the Triton kernels there, not the CPU's ATen path. One backend per device, so the
     CUDA graphs of a device share one memory pool."""
 
-    def __init__(self, name: str, device: torch.device, cuda_graphs: str):
-        self.requested, self.device, self.cuda_graphs = name, device, cuda_graphs
+    def __init__(self, name: str, device: torch.device, cuda_graphs: str, graphs=None):
+        self.requested, self.device, self.cuda_graphs, self.graphs = name, device, cuda_graphs, graphs
         self.by_device: dict[str, object] = {}
         self.used: dict[str, None] = {}  # the names of the backends that compiled a graph, in order
         self.on(device)  # a backend that cannot run where the model is fails here, at loracc.compile
@@ -60,7 +61,7 @@ class DeviceBackends:
     def on(self, device: torch.device):
         key = str(device)
         if key not in self.by_device:
-            self.by_device[key] = _resolve(self.requested, device, self.cuda_graphs)
+            self.by_device[key] = _resolve(self.requested, device, self.cuda_graphs, self.graphs)
         return self.by_device[key]
 
     @property
@@ -89,7 +90,10 @@ def _graph_device(gm: fx.GraphModule, default: torch.device) -> torch.device:
     return default
 
 
-def get_backend(name: str, device: torch.device, cuda_graphs: str = "off") -> DeviceBackends:
+def get_backend(name: str, device: torch.device, cuda_graphs: str = "off", graphs=None) -> DeviceBackends:
+    """``graphs``: with ``cuda_graphs`` "on" or "auto", the runtime's wrapper factory for graphs that may
+    replay as CUDA graphs (``runtime.cuda_graphs.Replayers``): codegen returns plain callables, and
+    the runtime decides how they run."""
     if name != "auto" and name not in BACKENDS:
         raise LoraccError(f"unknown backend {name!r}: choose one of {sorted(BACKENDS) + ['auto']}")
-    return DeviceBackends(name, device, cuda_graphs)
+    return DeviceBackends(name, device, cuda_graphs, graphs)

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .. import cross_entropy as reference
+from ..ir import cross_entropy as reference
 from . import cache, lora_linear
 from .render import render
 

@@ -1,4 +1,4 @@
-"""A fused group of pointwise ops and row reductions (``passes.fusion.FusedRows``) as one Triton kernel.
+"""A fused group of pointwise ops and row reductions (``ir.fused_rows.FusedRows``, made by ``passes.fusion``) as one Triton kernel.
 
 The kernel (``templates/fused_rows.py.jinja``) gives each program ``BLOCK_R`` rows of the group's
 frame and whole rows of ``BLOCK_D`` columns. Every value of the group is an expression of the
@@ -25,9 +25,8 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..graph import output_node
-from ..passes.fusion import PASS_THROUGH, FusedRows
-from ..passes.memory_plan import value_bytes
+from ..ir.fused_rows import PASS_THROUGH, FusedRows
+from ..ir.graph import output_node, value_bytes
 from . import cache
 from .render import render
 

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from .. import _compat
-from ..ops import or_empty
+from ..ir.ops import or_empty
 from . import autotune
 from . import lora_gemm_tma
 from .lora_gemm import DTYPE_NAMES, GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm

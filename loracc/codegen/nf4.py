@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ..quant.nf4 import dequantize_absmax
+from ..quant.nf4 import dequant_nf4, dequantize_absmax
 from . import cache
 from .lora_gemm import DTYPE_NAMES
 from .render import render
@@ -37,7 +37,7 @@ def _kernel(blocksize: int, dtype: torch.dtype, device: torch.device):
 def dequantize(packed: Tensor, absmax: Tensor, quant_map: Tensor, nested_absmax: Tensor | None,
                nested_quant_map: Tensor | None, nested_offset: Tensor | None, shape, blocksize: int,
                nested_blocksize: int, dtype: torch.dtype) -> Tensor:
-    """``loracc::dequant_nf4``'s result (see ``loracc/ops.py``), computed by the Triton kernel."""
+    """``loracc::dequant_nf4``'s result (see ``loracc/quant/nf4.py``), computed by the Triton kernel."""
     scale = dequantize_absmax(absmax, nested_absmax, nested_quant_map, nested_offset, nested_blocksize).contiguous()
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     n = out.numel()
@@ -89,3 +89,9 @@ def matmul(a: Tensor, packed: Tensor, absmax: Tensor, quant_map: Tensor, nested_
         _gemm_kernel(mode, out_features, in_features, blocksize, a.dtype, a.device)[(tiles,)](
             a.contiguous(), packed.contiguous(), scale, quant_map.float().contiguous(), out, a.shape[0], **config)
     return out
+
+
+@dequant_nf4.register_kernel("cuda")
+def _(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape, blocksize, nested_blocksize, dtype):
+    return dequantize(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape,
+                      blocksize, nested_blocksize, dtype)

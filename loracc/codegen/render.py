@@ -12,12 +12,10 @@ from pathlib import Path
 
 import jinja2
 
-import loracc
-
 
 def template_dir():
     """Where the templates are: ``templates/`` of a source tree, else the installed ``loracc.templates``."""
-    source_tree = Path(loracc.__file__).resolve().parent.parent / "templates"
+    source_tree = Path(__file__).resolve().parents[2] / "templates"  # loracc/codegen/render.py → the tree
     if (source_tree / "lora_gemm.py.jinja").is_file():  # not any folder named templates beside the package
         return source_tree
     return importlib.resources.files("loracc.templates")

@@ -17,11 +17,10 @@ import torch.fx as fx
 
 from .. import _compat
 from ..errors import LoraccError
-from ..graph import copy_nodes, info
-from ..cross_entropy import LINEAR_CROSS_ENTROPY
-from ..cuda_graphs import Replayer, SharedPool
-from ..ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
-from ..passes.fusion import FusedRows
+from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
+from ..ir.fused_rows import FusedRows
+from ..ir.graph import copy_nodes, info
+from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from . import cross_entropy, fused_rows, lora_linear, precompile
 
 
@@ -62,26 +61,31 @@ def _hash_triton_in_background() -> threading.Thread:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, device: torch.device, cuda_graphs: str = "off"):
+    def __init__(self, device: torch.device, cuda_graphs: str = "off", graphs=None):
         reason = available(device)
         if reason is not None:
             raise LoraccError(f"backend 'triton': {reason}; use backend='eager' on this device")
         self.report: list[dict] = []
-        # CUDA graphs (loracc/cuda_graphs.py): "on" replays each compiled graph as a CUDA graph from
-        # its second call on, "auto" does where that measured faster, "off" runs them from Python
-        # (loracc.compile turns its cuda_graphs argument into one of these: model._graph_mode).
+        # CUDA graphs (loracc/runtime/cuda_graphs.py): "on" replays each compiled graph as a CUDA graph
+        # from its second call on, "auto" does where that measured faster, "off" runs them from Python
+        # (loracc.compile turns its cuda_graphs argument into one of these: options.graph_mode).
         if cuda_graphs not in ("on", "off", "auto"):
             raise ValueError(f"TritonBackend cuda_graphs must be 'on', 'off' or 'auto', got {cuda_graphs!r}")
         self.cuda_graphs = cuda_graphs if device.type == "cuda" else "off"
+        if self.cuda_graphs != "off" and graphs is None:
+            raise ValueError("TritonBackend cuda_graphs 'on' or 'auto' needs graphs= (the runtime's "
+                             "loracc.runtime.cuda_graphs.Replayers)")
         self.device = device
-        self._pool = SharedPool()  # one memory pool for every graph of the model
+        # The runtime's wrapper of a graph that may replay as a CUDA graph: one per backend, so that
+        # every graph of the model on this device captures into one memory pool.
+        self._graphs = graphs() if graphs is not None and self.cuda_graphs != "off" else None
         self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
                 lend_from: int | None = None):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
-        ``fixed_inputs``, ``lend_from``: see ``cuda_graphs.Replayer``."""
+        ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
         # A graph with symbolic batch and sequence sizes runs from Python (a CUDA graph holds one set
@@ -136,6 +140,5 @@ class TritonBackend:
         # save, and its trial capture would come at the step's memory peak, weights copied.
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2) or symbolic:
             return gm
-        return Replayer(gm, f"{stage} graph", mode=self.cuda_graphs, pool=self._pool,
-                        after=after if isinstance(after, Replayer) else None, fixed_inputs=fixed_inputs,
-                        lend_from=lend_from, max_captures=3 * repeats + 4, layers=repeats)
+        return self._graphs(gm, f"{stage} graph", mode=self.cuda_graphs, after=after, fixed_inputs=fixed_inputs,
+                            lend_from=lend_from, max_captures=3 * repeats + 4, layers=repeats)

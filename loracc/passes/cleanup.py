@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import info
+from ..ir.graph import info
 from . import PassResult
 
 aten = torch.ops.aten

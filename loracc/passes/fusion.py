@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..graph import info, output_node
+from ..ir.fused_rows import PASS_THROUGH, FusedRows
+from ..ir.graph import info, output_node
 from . import PassResult
 
 aten = torch.ops.aten
@@ -58,39 +59,8 @@ REDUCTIONS = {aten.sum.dim_IntList: {"dtype"}, aten.mean.dim: {"dtype"}, aten.am
 MOVES = {aten.slice.Tensor: set(), aten.cat.default: set(), aten.slice_backward.default: set(),
          aten.expand.default: set(), aten.detach.default: set(), aten.alias.default: set()}
 VIEW_LIKE = (aten.slice.Tensor, aten.expand.default, aten.detach.default, aten.alias.default)
-# Ops that pass their input's values through unchanged (no arithmetic, no rounding).
-PASS_THROUGH = (aten.detach.default, aten.alias.default, aten.clone.default, aten.expand.default)
 # A row must fit one program: the widest value of a group, rounded up to a power of two.
 MAX_WIDTH = 16384
-
-
-class FusedRows:
-    """One group: a small graph of fusible ops over the same rows, called like a function.
-
-    ``graph`` takes the group's inputs and returns the tuple of the values read outside the group;
-    ``rows`` is the group's frame (the leading dims every value shares). Calling the object runs
-    the graph (the reference implementation); the Triton backend replaces the call with the
-    generated kernel (``codegen.fused_rows``).
-    """
-
-    __module__ = "loracc.passes.fusion"
-
-    def __init__(self, graph: fx.GraphModule, rows: tuple, ops: list[str], name: str):
-        self.graph, self.rows, self.ops, self.__name__ = graph, rows, ops, name
-
-    @property
-    def input_vals(self) -> list:
-        return [n.meta.get("val") for n in self.graph.graph.find_nodes(op="placeholder")]
-
-    @property
-    def output_vals(self) -> list:
-        return [n.meta.get("val") for n in output_node(self.graph).args[0]]
-
-    def __call__(self, *inputs):
-        return tuple(self.graph(*inputs))
-
-    def __repr__(self) -> str:
-        return f"{self.__name__}({', '.join(self.ops)})"
 
 
 def _val(node) -> torch.Tensor | None:

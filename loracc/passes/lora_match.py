@@ -28,8 +28,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph import info, placeholders, role
-from ..ops import DEQUANT_NF4, LORA_LINEAR
+from ..ir.graph import info, placeholders, role
+from ..ir.ops import LORA_LINEAR
+from ..quant.nf4 import DEQUANT_NF4
 from . import PassResult
 
 aten = torch.ops.aten

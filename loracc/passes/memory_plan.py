@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .. import _compat, cross_entropy
-from ..graph import info, output_values, role
+from .. import _compat
+from ..ir import cross_entropy
+from ..ir.graph import info, output_values, role, value_bytes
 from . import PassResult
 
 ALIGNMENT = 256  # bytes: the arena places every buffer on a boundary GPU kernels load from at full width
@@ -82,18 +83,6 @@ def storage_key(node: fx.Node) -> tuple:
             node, item = base, None  # a tuple of views (split, unbind) lives in its base
         else:
             return node, item
-
-
-def value_bytes(val) -> int:
-    """Bytes a tensor's buffer spans (its strides included), 0 for anything else. Symbolic sizes
-    count at the shapes the graph was traced with (``_compat.hint``)."""
-    if not isinstance(val, torch.Tensor):
-        return 0
-    shape, stride = [_compat.hint(s) for s in val.shape], [_compat.hint(s) for s in val.stride()]
-    if 0 in shape:
-        return 0
-    span = 1 + sum((size - 1) * abs(st) for size, st in zip(shape, stride))
-    return span * val.element_size()
 
 
 def buffers(nodes: list[fx.Node], outputs) -> list[Buffer]:

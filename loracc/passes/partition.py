@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..errors import Unsupported
-from ..graph import info, output_node, placeholders
+from ..ir.graph import info, output_node, placeholders
 from . import PassResult
 from .memory_plan import activation_bytes, is_mutation, storage_key
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -41,12 +40,13 @@ import torch.fx as fx
 
 from .. import _compat
 from ..errors import LoraccError, Unsupported
-from ..graph import info, output_node, placeholders, role
-from ..ops import LORA_LINEAR, RECOMPUTABLE
+from ..ir.graph import info, output_node, placeholders, role, value_bytes
+from ..ir.ops import LORA_LINEAR
+from ..options import parse_budget
+from ..quant import RECOMPUTABLE
 from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
-    value_bytes,
 )
 from .partition import backward_nodes, forward_nodes, is_random
 
@@ -65,8 +65,6 @@ FASTEST = None  # the price of recomputing a GEMM or attention in the fastest pl
 # Prices in bytes saved per FLOP recomputed: 4 steps per octave from 2^-48 (a byte is worth far more
 # than any GEMM) to 2^8 (recompute anything for a byte), then 0 (recompute everything possible).
 PRICES = [FASTEST] + [Fraction(m, 4) * Fraction(2) ** e for e in range(8, -49, -1) for m in (7, 6, 5, 4)] + [Fraction(0)]
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-MIN_LIMIT_BYTES = 2**20
 REFINE_STEPS = 10
 SOURCE, SINK = "source", "sink"
 _save_everything = False
@@ -84,52 +82,6 @@ def saving_everything():
         yield
     finally:
         _save_everything = previous
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A parsed ``memory_budget``: neither field (the fastest plan), a fraction, or a byte limit."""
-
-    fraction: float | None = None
-    limit_bytes: int | None = None
-
-    def __str__(self) -> str:
-        if self.fraction is not None:
-            return f"{self.fraction:g} of the fastest plan's saved bytes"
-        if self.limit_bytes is not None:
-            return f"step peak <= {self.limit_bytes / 2**30:.2f} GiB"
-        return "fastest plan"
-
-
-def parse_budget(value) -> Budget:
-    """``None``; a float in [0, 1] (fraction of the activation bytes the fastest plan saves); an int
-    of bytes or a string like ``"8GB"``/``"512MiB"`` (GB = 10^9 bytes, GiB = 2^30), a limit on the
-    whole step's peak memory, weights included."""
-    if value is None:
-        return Budget()
-    if isinstance(value, Budget):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise LoraccError(
-            f"memory_budget must be None, a fraction in [0, 1], a byte count or a string like '8GB'; got {value!r}"
-        )
-    if isinstance(value, float):
-        if not 0.0 <= value <= 1.0:
-            raise LoraccError(
-                f"memory_budget as a float is a fraction of the activation bytes of the fastest plan, in [0, 1]; got {value}"
-            )
-        return Budget(fraction=value)
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)\s*", value, re.IGNORECASE)
-        if match is None:
-            raise LoraccError(f"memory_budget {value!r} is not a size: write it like '8GB' or '512MiB'")
-        value = int(float(match[1]) * UNITS[match[2].lower()])
-    if value < MIN_LIMIT_BYTES:
-        raise LoraccError(
-            f"memory_budget={value} is read as {value} bytes, less than any training step needs; write a "
-            "fraction as a float (memory_budget=0.5) or a size as a string (memory_budget='8GB')"
-        )
-    return Budget(limit_bytes=value)
 
 
 def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 1, reserved_bytes: int | None = None) -> PassResult:

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LoraccError
-from ..ops import dequant_fp8
 
 Tensor = torch.Tensor
 FP8 = torch.float8_e4m3fn
@@ -88,6 +87,24 @@ def check_scale(name: str, data: Tensor, scale: Tensor, block: int | None) -> No
         raise LoraccError(f"FP8 checkpoint: the scale of {name} has shape {list(scale.shape)}, expected {list(expected)} "
                           f"for a weight of shape {[out, inp]} with {'per-channel' if block is None else f'{block}x{block} block'} "
                           "scales; the checkpoint is corrupt or its scale belongs to another tensor")
+
+
+# ``loracc::dequant_fp8(weight, scale, block, dtype) -> W`` decodes an FP8 weight: ``weight`` the
+# float8_e4m3fn bits as uint8 [out, in], ``scale`` fp32 per channel [out, 1] (``block`` 0) or per
+# ``block``×``block`` tile; W = fp8 · scale in fp32, rounded once to ``dtype`` (``dequantize_fp8``).
+
+
+@torch.library.custom_op("loracc::dequant_fp8", mutates_args=())
+def dequant_fp8(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+    return dequantize_fp8(weight.view(FP8), scale, block or None, dtype)
+
+
+@dequant_fp8.register_fake
+def _(weight, scale, block, dtype):
+    return weight.new_empty(weight.shape, dtype=dtype)
+
+
+DEQUANT_FP8 = torch.ops.loracc.dequant_fp8.default
 
 
 class FP8Linear(nn.Linear):

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LoraccError
-from ..ops import dequant_nf4
-from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, NF4Weight, quantize_nf4
+from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, NF4Weight, dequant_nf4, quantize_nf4
 
 QUANT_STATE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "nested_offset")
 FORMATS = ("nf4", "fp8")

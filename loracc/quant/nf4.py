@@ -249,3 +249,37 @@ def from_state_dict(tensors: dict[str, Tensor], key: str) -> NF4Weight:
         q.offset = torch.tensor(float(meta["nested_offset"]), dtype=torch.float32, device=packed.device)
         q.nested_blocksize = nested_blocksize
     return q
+
+
+# ``loracc::dequant_nf4(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset,
+# shape, blocksize, nested_blocksize, dtype) -> W`` decodes an NF4 weight in this format to
+# ``dtype``, bit for bit as bitsandbytes' ``dequantize_4bit`` (its reference: ``dequantize_nf4``). A
+# quantized base layer's traced graph reads ``linear(x, dequant_nf4(...), b)``, so ``lora_match`` sees
+# the frozen weight behind it, and ``remat`` recomputes W in the backward from the packed tensors
+# (graph inputs, free to keep) instead of saving a 16-bit copy of every layer. Its inputs never need
+# a gradient: it has no backward. On CUDA it runs a Triton kernel (``codegen/nf4.py`` registers it).
+
+
+@torch.library.custom_op("loracc::dequant_nf4", mutates_args=())
+def dequant_nf4(
+    packed: Tensor,
+    absmax: Tensor,
+    quant_map: Tensor,
+    nested_absmax: Tensor | None,
+    nested_quant_map: Tensor | None,
+    nested_offset: Tensor | None,
+    shape: list[int],
+    blocksize: int,
+    nested_blocksize: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    return dequantize_nf4(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape,
+                          blocksize, nested_blocksize, dtype)
+
+
+@dequant_nf4.register_fake
+def _(packed, absmax, quant_map, nested_absmax, nested_quant_map, nested_offset, shape, blocksize, nested_blocksize, dtype):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+DEQUANT_NF4 = torch.ops.loracc.dequant_nf4.default

@@ -45,8 +45,8 @@ import weakref
 
 import torch
 
-from ._compat import saved_tensors_hooks_active
-from .errors import LoraccError
+from .._compat import saved_tensors_hooks_active
+from ..errors import LoraccError
 
 log = logging.getLogger("loracc")
 
@@ -180,6 +180,22 @@ class Graphed:
         self.graph.replay()
         return [inputs[i] if i is not None else out if j >= self.lend_from or not isinstance(out, torch.Tensor)
                 else out.clone() for j, (out, i) in enumerate(zip(self.static_outputs, self.passthrough))]
+
+
+class Replayers:
+    """The wrapper a backend hands each compiled graph that may replay as a CUDA graph (codegen
+    returns plain callables; the runtime decides how they run): every graph it wraps is a
+    ``Replayer`` capturing into this one ``SharedPool``. A backend makes one (one per device), so
+    that every graph of a model on that device shares the pool."""
+
+    def __init__(self):
+        self.pool = SharedPool()
+
+    def __call__(self, fn, name: str, *, mode: str, after=None, **options) -> "Replayer":
+        """``fn`` as a ``Replayer``; ``after``: what the same region's forward compiled to (a
+        ``Replayer`` or not), ``options``: ``Replayer``'s keyword arguments."""
+        return Replayer(fn, name, mode=mode, pool=self.pool, after=after if isinstance(after, Replayer) else None,
+                        **options)
 
 
 class Replayer:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import LoraccError
-from .lora import LoRALinear
+from ..errors import LoraccError
+from ..training.lora import LoRALinear
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FAMILIES = ("llama", "qwen2", "mistral")

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .cross_entropy import LINEAR_CROSS_ENTROPY
-from .cuda_graphs import Replayer
+from ..errors import LoraccError
+from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
+from ..quant import base_formats
+from ..runtime.cuda_graphs import Replayer
+from ..runtime.memory import predicted_peak_bytes
 from .dump import format_bytes
-from .errors import LoraccError
-from .pipeline import predicted_peak_bytes
-from .quant import base_formats
 
 
 @dataclass

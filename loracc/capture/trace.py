@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import _compat
-from .errors import Unsupported
-from .graph import info, output_node, param_role, placeholders
+from .. import _compat
+from ..errors import Unsupported
+from ..ir.graph import info, output_node, param_role, placeholders
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Attributes that differ between otherwise identical layers without changing their training graph.

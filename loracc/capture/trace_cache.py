@@ -54,9 +54,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import _compat
-from .capture import NOT_PLAIN, CallSignature, CapturedForward, layout, module_fingerprint, plain_value
-from .codegen.cache import atomic_write, cache_folder, read_json
+from .. import _compat
+from .trace import NOT_PLAIN, CallSignature, CapturedForward, layout, module_fingerprint, plain_value
+from ..disk import atomic_write, cache_folder, read_json
 
 log = logging.getLogger("loracc")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import LoraccError
-from . import cache
+from ..codegen import cache
 
 
 def register(subparsers) -> None:

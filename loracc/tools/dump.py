@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from .graph import describe_value, info, node_bytes
+from ..ir.graph import describe_value, info, node_bytes
 
 
 def format_bytes(n: int) -> str:
@@ -136,8 +136,8 @@ def dump_program(program, title: str, out_dir: Path | None = None) -> str:
 
 def live_bytes(gm: fx.GraphModule, held: int = 0) -> list[int]:
     """``memory_plan.live_bytes`` of ``gm``'s nodes, on top of ``held``."""
-    from .graph import output_values
-    from .passes.memory_plan import live_bytes as node_live_bytes
+    from ..ir.graph import output_values
+    from ..passes.memory_plan import live_bytes as node_live_bytes
 
     return [b + held for b in node_live_bytes(list(gm.graph.nodes), output_values(gm))]
 

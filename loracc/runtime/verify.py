@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import _compat
-from .capture import module_state
+from .. import _compat
+from ..capture.trace import module_state
 
 TOLERANCES = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 

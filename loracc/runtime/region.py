@@ -8,7 +8,7 @@ Calls it cannot compile, and every call outside training (``eval()``, ``torch.no
 generation), run the module's original eager forward.
 
 With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
-compiles is first checked against the eager forward (``loracc.verify``); a program that differs
+compiles is first checked against the eager forward (``runtime/verify.py``); a program that differs
 makes the whole region run eagerly from then on, with a warning and a ``Fallback`` saying why.
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..capture.trace import call_signature, module_state, tensor_key
+from ..errors import Unsupported
+from ..pipeline import Program, compile_call
 from . import verify as verification
-from .capture import call_signature, module_state, tensor_key
 from .cuda_graphs import Replayer, check_lease, share_decisions
-from .errors import Unsupported
-from .pipeline import Program, compile_call
 
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
@@ -99,7 +99,7 @@ class Region:
     fallbacks: list[Fallback] = field(default_factory=list)
     recompile_reasons: list[str] = field(default_factory=list)
     compile_seconds: float = 0.0
-    verify: bool = False  # check each program's first call against eager (loracc.verify)
+    verify: bool = False  # check each program's first call against eager (runtime/verify.py)
     verifications: list = field(default_factory=list)  # verify.Verification, one per program checked
     mismatch: str | None = None  # set when a program differed from eager: the region runs eagerly
     # id → program, for the programs checked; weak: a program the region drops (a static one that a

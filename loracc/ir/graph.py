@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import _compat
+from .. import _compat
 
 ROLES = ("input", "frozen_weight", "lora_A", "lora_B", "trainable", "buffer", "tangent", "activation", "gradient")
 INPUT_ROLES = ("input", "frozen_weight", "lora_A", "lora_B", "trainable", "buffer", "tangent")
@@ -39,6 +39,18 @@ def tensor_bytes(val) -> int:
     if isinstance(val, (list, tuple)):
         return sum(tensor_bytes(v) for v in val)
     return 0
+
+
+def value_bytes(val) -> int:
+    """Bytes a tensor's buffer spans (its strides included), 0 for anything else. Symbolic sizes
+    count at the shapes the graph was traced with (``_compat.hint``)."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    shape, stride = [_compat.hint(s) for s in val.shape], [_compat.hint(s) for s in val.stride()]
+    if 0 in shape:
+        return 0
+    span = 1 + sum((size - 1) * abs(st) for size, st in zip(shape, stride))
+    return span * val.element_size()
 
 
 def node_bytes(node: fx.Node) -> int:

@@ -1,5 +1,5 @@
 """The ``loracc`` command: ``dump`` a region's graph after each stage, ``explain`` a model,
-``check`` a model's compiled training step against eager (verification mode, ``loracc.verify``).
+``check`` a model's compiled training step against eager (verification mode, ``runtime/verify.py``).
 
 The model is one of:
 
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from . import presets, verify
-from .errors import LoraccError
+from ..runtime import verify
+from . import presets
+from ..errors import LoraccError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,11 +97,11 @@ def _call(model, example):
 
 
 def _compiled(args):
-    import loracc
+    from .. import api
 
     model, example = load_model(args.model, r=args.r, targets=args.targets, batch=args.batch, seq=args.seq,
                                 dtype=args.dtype, device=args.device)
-    model = loracc.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget))
+    model = api.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget))
     out = _call(model, example)
     loss = out if isinstance(out, torch.Tensor) else out.loss
     loss.backward()
@@ -150,7 +151,7 @@ def cmd_dump(args) -> None:
 def cmd_check(args) -> int:
     """One training step in verification mode, a row per region, and the whole step against an eager
     copy of the model (from one random state); exit status 1 on a mismatch."""
-    import loracc
+    from .. import api
 
     model, example = load_model(args.model, r=args.r, targets=args.targets, batch=args.batch, seq=args.seq,
                                 dtype=args.dtype, device=args.device)
@@ -158,7 +159,7 @@ def cmd_check(args) -> int:
         print("LoRA B weights that were all zero (PEFT's initialization) got small random values, so that "
               "every gradient is checked")
     reference = copy.deepcopy(model)
-    model = loracc.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget), verify=True)
+    model = api.compile(model, backend=args.backend, memory_budget=_budget(args.memory_budget), verify=True)
     compiled, eager = _training_step(model, example), _training_step(reference, example)
     rows = [_check_row(region) for region in model._loracc.regions]
     rows.append(_step_row(compiled, eager, reference, example, args.device))
@@ -247,9 +248,9 @@ def _randomize_zero_lora_b(model) -> bool:
 
 
 def cmd_explain(args) -> None:
-    import loracc
+    from .explain import explain
 
-    print(loracc.explain(_compiled(args)))
+    print(explain(_compiled(args)))
 
 
 def _add_model_args(parser) -> None:
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(check)
     check.set_defaults(func=cmd_check)
     try:
-        from .codegen import kernels_cli
+        from . import kernels_cli
     except ImportError:
         pass
     else:

@@ -42,8 +42,8 @@ import weakref
 
 import torch
 
-from .errors import LoraccError
-from .quant.nf4 import dynamic_map
+from ..errors import LoraccError
+from ..quant.nf4 import dynamic_map
 
 Tensor = torch.Tensor
 log = logging.getLogger("loracc")
@@ -460,7 +460,7 @@ def _kernel_unavailable(param: Tensor) -> str | None:
     """Why the fused kernel cannot update ``param``; None when it can."""
     if param.dtype not in KERNEL_DTYPES:
         return f"parameters in {param.dtype} (the kernel takes {', '.join(map(str, KERNEL_DTYPES))})"
-    from .codegen.triton_backend import available
+    from ..codegen.triton_backend import available
 
     return available(param.device)
 
@@ -476,14 +476,14 @@ def _compile_ahead(data: Tensor) -> None:
     key = (data.dtype, data.device)
     if data.device.type != "cuda" or key in _compiling or _kernel_unavailable(data) is not None:
         return
-    from .codegen import precompile
+    from ..codegen import precompile
 
     _compiling[key] = precompile.in_background(functools.partial(_warmup, data), data.device)
 
 
 def _warmup(data: Tensor):
     """Compile (not run) the kernel as ``adamw_update`` launches it on the flat buffer ``data``."""
-    from .codegen.precompile import pointer
+    from ..codegen.precompile import pointer
 
     fp32 = pointer(torch.float32)
     return _kernel(KERNEL_DTYPES[data.dtype], data.device).warmup(
@@ -493,8 +493,8 @@ def _warmup(data: Tensor):
 
 @functools.cache
 def _kernel(dtype: str, device: torch.device, state: str = "fp32"):
-    from .codegen import cache
-    from .codegen.render import render
+    from ..codegen import cache
+    from ..codegen.render import render
 
     name = f"adamw_step_{dtype}" + ("_int8_states" if state == "int8" else "")
     return cache.load_kernel(name, render("adamw.py.jinja", name=name, dtype=dtype, state=state), device)

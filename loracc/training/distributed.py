@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import LoraccError
+from ..errors import LoraccError
 
 IGNORE_INDEX = -100
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import LoraccError
+from ..errors import LoraccError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,7 +146,7 @@ def _quant_parts(key: str, file_keys) -> list[str]:
 
 def _fp8_layer(root: nn.Module, key: str, name: str, scale_key: str, file_keys):
     """``(parent, attribute, FP8Linear)`` for the checkpoint's FP8 ``key``, checked against its scale and layer."""
-    from .quant.fp8 import BLOCK, FP8, FP8Linear, FP8Weight, check_scale
+    from ..quant.fp8 import BLOCK, FP8, FP8Linear, FP8Weight, check_scale
 
     data, scale = _read(file_keys[key], key), _read(file_keys[scale_key], scale_key)
     if data.dtype != FP8 or data.dim() != 2:
@@ -169,8 +169,8 @@ def _fp8_layer(root: nn.Module, key: str, name: str, scale_key: str, file_keys):
 def _quantized_layer(root: nn.Module, key: str, name: str, file_keys):
     """``(parent, attribute, NF4Linear)`` for the checkpoint's quantized ``key`` (the model's ``name``),
     its tensors checked against its quant state and the layer it replaces."""
-    from .quant import NF4Linear
-    from .quant.nf4 import from_state_dict
+    from ..quant import NF4Linear
+    from ..quant.nf4 import from_state_dict
 
     if key not in file_keys:
         raise LoraccError(f"load_base_weights: {key} has a quant state but no packed weight {key} in the checkpoint; "

@@ -1,0 +1,136 @@
+"""Installing loracc's forwards on the user's modules, and the calls that must stay eager.
+
+``patch`` sets a module's ``forward`` on the instance (the model object stays the user's; a forward
+something else set there before is kept and put back by ``loracc.uncompile``). Every forward loracc
+installs is a ``CompiledForward``. A Hugging Face decoder gets ``use_cache=False`` in training
+(``patch_use_cache``) unless the KV cache would change the call's numbers; ``all_eager`` runs every
+compiled region inside it eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .regions import CompiledState
+
+
+class CompiledForward:
+    """A ``forward`` loracc installed on a module (``loracc.uncompile`` takes it away)."""
+
+
+def is_loracc_forward(forward) -> bool:
+    return isinstance(forward, CompiledForward)
+
+
+def patch(state: CompiledState, module: nn.Module, forward) -> None:
+    previous = module.__dict__.get("forward")
+    if previous is not None and not is_loracc_forward(previous):
+        state.previous_forwards[id(module)] = previous
+        warnings.warn(
+            f"loracc: {type(module).__name__} had a forward set on the instance "
+            f"({getattr(previous, '__qualname__', previous)}); compiled training calls bypass it, and "
+            "loracc.uncompile puts it back",
+            stacklevel=4,
+        )
+    module.forward = forward
+    state.patched.append(module)
+
+
+def eager_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of the module's own forward: Trainer and others read it to pick arguments."""
+    return inspect.signature(type(module).forward.__get__(module))
+
+
+def patch_use_cache(state: CompiledState, owner: nn.Module) -> None:
+    """Training calls of a Hugging Face decoder get ``use_cache=False`` unless the caller asks."""
+    try:
+        signature = inspect.signature(type(owner).forward)
+    except (TypeError, ValueError):
+        return
+    if "use_cache" not in signature.parameters or owner in state.patched:
+        return
+    patch(state, owner, _NoCacheInTraining(owner))
+
+
+class _NoCacheInTraining(CompiledForward):
+    """A decoder's ``forward`` in training: ``use_cache=False`` unless the caller asks, so that its
+    layers get no KV cache (a cache is state the compiled graphs cannot update) — except for a call
+    whose numbers the cache changes (``cache_changes_the_mask``): that call runs eagerly."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.module).forward
+        if self.module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+            call = bound_call(self.module, args, kwargs)
+            if call is not None and call.get("use_cache") is not None:
+                return forward(self.module, *args, **kwargs)  # passed positionally: the caller asked
+            if call is not None and cache_changes_the_mask(self.module, call):
+                with all_eager():
+                    return forward(self.module, *args, **kwargs)
+            kwargs["use_cache"] = False
+        return forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return eager_signature(self.module)
+
+
+EAGER = contextvars.ContextVar("loracc_eager", default=False)
+
+
+@contextlib.contextmanager
+def all_eager():
+    """Every compiled region called inside runs its module's eager forward."""
+    token = EAGER.set(True)
+    try:
+        yield
+    finally:
+        EAGER.reset(token)
+
+
+def bound_call(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """The arguments of a call of ``module.forward`` by name (``**kwargs`` flattened), or None."""
+    try:
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    except TypeError:
+        return None
+    call = dict(bound.arguments)
+    call.pop("self", None)
+    call.update(call.pop("kwargs", {}))
+    return call
+
+
+def cache_changes_the_mask(module: nn.Module, call: dict) -> bool:
+    """True when a training call left with ``use_cache`` unset would not compute the same numbers
+    with ``use_cache=False``: Hugging Face builds a KV cache when the config's ``use_cache`` is on,
+    and with a cache it does not look for packed sequences in ``position_ids`` (positions that
+    restart within a row, as ``DataCollatorWithFlattening`` makes them, with no ``attention_mask``):
+    eager then attends across the packed sequences, while without a cache each attends only to
+    itself. Such a call runs eagerly, as it would without loracc, with a warning saying how to
+    compile it (``use_cache=False``, which keeps the sequences apart)."""
+    config = getattr(module, "config", None)
+    positions = call.get("position_ids")
+    if not getattr(config, "use_cache", False) or call.get("attention_mask") is not None:
+        return False
+    if call.get("past_key_values") is not None or not isinstance(positions, torch.Tensor) or positions.shape[-1] < 2:
+        return False
+    packed = bool((positions[..., 1:] - positions[..., :-1] != 1).any())
+    if packed:
+        warnings.warn(
+            f"loracc: {type(module).__name__} is called with packed position_ids (positions restart within "
+            "a row) and no attention_mask while its config has use_cache=True: transformers then attends "
+            "across the packed sequences, which loracc reproduces by running this call eagerly. Pass "
+            "use_cache=False (or set model.config.use_cache=False) to keep the sequences apart and run "
+            "it compiled",
+            stacklevel=4,
+        )
+    return packed

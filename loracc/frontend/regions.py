@@ -1,0 +1,200 @@
+"""From a user's model to regions: region discovery, grouping, and installing the runtime.
+
+Regions:
+
+- **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules with LoRA (a decoder's
+  layers), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
+  layers whose structure is the same (parameters, flags such as a sliding window) share one region,
+  so a model is captured once however deep it is;
+- **head**: for a Hugging Face causal LM, the final norm + vocabulary projection + loss
+  (``hf_causal_lm.py``);
+- **model**: a model with neither is one region.
+
+Everything else (embeddings, masks, rotary tables, the model's Python control flow) stays eager.
+The model object stays the user's: only the ``forward`` of the compiled modules is replaced
+(``patching.py``), and ``loracc.uncompile`` puts it back.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..capture.trace import RUN_HOOKS, module_fingerprint
+from ..ir import cross_entropy
+from ..ir.graph import param_role
+from ..runtime.region import Region
+from .hf_causal_lm import HeadForward, causal_lm
+from .patching import EAGER, CompiledForward, eager_signature, patch, patch_use_cache
+
+
+@dataclass
+class CompiledState:
+    regions: list[Region]
+    backend: object
+    lora_layers: list[str]
+    trainable_params: int
+    frozen_params: int
+    memory_budget: object
+    persistent_bytes: int = 0
+    patched: list[nn.Module] = field(default_factory=list)
+    # A forward set on a module's instance before compile (a hook's wrapper), put back by uncompile.
+    previous_forwards: dict = field(default_factory=dict)
+
+
+def find_lora_layers(model: nn.Module) -> list[str]:
+    """Paths of the modules that own LoRA weights (``lora_A``/``lora_B`` parameters)."""
+    layers = []
+    for name, param in model.named_parameters():
+        if param_role(name, param) == "lora_A":
+            parts = name.split(".")
+            cut = parts.index("lora_A") if "lora_A" in parts else parts.index("lora_a")
+            layers.append(".".join(parts[:cut]))
+    return list(dict.fromkeys(layers))
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) element counts, each shared tensor counted once."""
+    seen, trainable, frozen = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return trainable, frozen
+
+
+def install(model: nn.Module, state: CompiledState) -> None:
+    head = causal_lm(model)
+    reserved = _reserved_bytes(state, head[0].config.vocab_size if head is not None else None)
+    blocks = _find_block_lists(model)
+    for list_path, owner, layers in blocks:
+        for group in _group_layers(layers):
+            paths = [f"{list_path}.{i}" for i, _ in group]
+            region = Region(
+                name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
+                kind="block", modules=paths, backend=state.backend, memory_budget=state.memory_budget,
+                reserved_bytes=reserved,
+            )
+            state.regions.append(region)
+            for (index, layer), path in zip(group, paths):
+                patch(state, layer, _BlockForward(region, layer, path))
+        patch_use_cache(state, owner)
+    if head is not None and "forward" in head[0].__dict__:
+        # Another library replaced the causal LM's forward on the instance (TRL's SFTTrainer installs
+        # its fused LM head this way): keep it; the decoder layers it calls still run compiled.
+        warnings.warn(
+            f"loracc: {type(head[0]).__name__} already has its own forward ({getattr(head[0].forward, '__qualname__', head[0].forward)}), "
+            "installed by another library: loracc leaves it in place and compiles the decoder layers only",
+            stacklevel=3,
+        )
+        head = None
+    if head is not None:
+        lm, base = head
+        region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
+                        modules=["norm", "lm_head", "loss"], backend=state.backend,
+                        memory_budget=state.memory_budget, reserved_bytes=reserved)
+        state.regions.append(region)
+        patch(state, lm, HeadForward(region, lm, base))
+    if not state.regions:
+        region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
+                        memory_budget=state.memory_budget, reserved_bytes=reserved)
+        state.regions.append(region)
+        patch(state, model, _BlockForward(region, model, type(model).__name__))
+
+
+def _reserved_bytes(state: CompiledState, head_vocab: int | None = None):
+    """For a region's byte budget: the persistent bytes, what the other compiled regions save for
+    the backward, and, for a block while the head is not compiled yet (blocks compile first), an
+    estimate of the fused head's share: its saved hidden state and hidden gradient, and one loss
+    chunk's temporaries (counted on top of the block's own workspace, although the two never coexist:
+    conservative). The head then plans against the exact bytes."""
+
+    def reserved(region: Region, tensors: list) -> int:
+        others = [(r.latest, r.repeats) for r in state.regions if r is not region and r.latest is not None]
+        held = state.persistent_bytes + sum(
+            p.reports["memory_plan"]["forward"]["saved_bytes"] * repeats for p, repeats in others
+        )
+        head = next((r for r in state.regions if r.kind == "head"), None)
+        if region.kind == "block" and head is not None and head.latest is None and tensors and head_vocab:
+            hidden = tensors[0]
+            rows = hidden.numel() // hidden.shape[-1]
+            held += 2 * hidden.numel() * hidden.element_size() + cross_entropy.workspace_bytes(
+                head_vocab, cross_entropy.chunk_rows_for(head_vocab, rows), hidden.dtype)
+        return held
+
+    return reserved
+
+
+class _BlockForward(CompiledForward):
+    """A compiled module's ``forward``: run the region's graphs with this module's weights.
+
+    A class rather than a closure so that ``copy.deepcopy(model)`` gives a copy whose forward
+    runs the copy's own weights (the region, which holds no weights, is shared).
+    """
+
+    def __init__(self, region: Region, module: nn.Module, path: str):
+        self.region, self.module, self.path = region, module, path
+        # The hooks inside the module run in its traced graph, and grouped it with its region's
+        # other layers: a change to them after this point runs the module eagerly.
+        self.hooks = [getattr(m, key) for m in list(module.modules())[1:] for key in RUN_HOOKS]
+        self.hook_counts = tuple(map(len, self.hooks))
+
+    def __call__(self, *args, **kwargs):
+        eager = type(self.module).forward.__get__(self.module)
+        if EAGER.get():
+            return eager(*args, **kwargs)
+        if tuple(map(len, self.hooks)) != self.hook_counts:
+            self.region._fall_back(self.path, "hooks inside it were added or removed after loracc.compile "
+                                              "(compile after registering them)")
+            return eager(*args, **kwargs)
+        return self.region.run(self.module, self.path, eager, args, kwargs)
+
+    @property
+    def __signature__(self):
+        return eager_signature(self.module)
+
+
+def _find_block_lists(model: nn.Module):
+    """The outermost ModuleLists of same-class modules with parameters that are block regions, and
+    their owners: those with LoRA parameters (a decoder's layers, a UNet's transformer blocks), and
+    the frozen ones of the same stage (a UNet's ResNet blocks and samplers), which carry the input
+    gradient between LoRA blocks. A stage is the owner of a LoRA list or, where that owner is one
+    element of an outer ModuleList (a UNet's ``down_blocks``), that outer list: frozen lists
+    elsewhere (a frozen vision tower beside a language model) stay eager."""
+    lists = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in lists):
+            continue
+        if len({type(m) for m in module}) == 1 and any(True for _ in module[0].parameters()):
+            lists.append((name, module))
+    with_lora = [name for name, module in lists if find_lora_layers(module)]
+    stages = {_stage(model, name) for name in with_lora}
+    found = []
+    for name, module in lists:
+        if name in with_lora or any(stage == "" or name.startswith(stage + ".") for stage in stages):
+            owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            found.append((name, owner, list(enumerate(module))))
+    return found
+
+
+def _stage(model: nn.Module, list_path: str) -> str:
+    """The path of the stage a block list belongs to: its owner, or the ModuleList holding that owner."""
+    owner = list_path.rsplit(".", 1)[0] if "." in list_path else ""
+    outer = owner.rsplit(".", 1)[0] if "." in owner else ""
+    if owner and isinstance(model.get_submodule(outer), nn.ModuleList):
+        return outer
+    return owner
+
+
+def _group_layers(layers):
+    groups: dict = {}
+    for index, layer in layers:
+        groups.setdefault(module_fingerprint(layer, index), []).append((index, layer))
+    return list(groups.values())

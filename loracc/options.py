@@ -1,0 +1,69 @@
+"""The options of ``loracc.compile`` that reach the stages below it: the memory budget and the CUDA-graph mode.
+
+``parse_budget`` reads ``memory_budget`` (``loracc.compile`` refuses what it cannot read before any
+capture; ``passes.remat`` plans with the ``Budget``); ``graph_mode`` turns ``cuda_graphs`` into the
+mode the Triton backend and the runtime's ``Replayer`` take (``"on"``, ``"off"`` or ``"auto"``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import LoraccError
+
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MIN_LIMIT_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed ``memory_budget``: neither field (the fastest plan), a fraction, or a byte limit."""
+
+    fraction: float | None = None
+    limit_bytes: int | None = None
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction:g} of the fastest plan's saved bytes"
+        if self.limit_bytes is not None:
+            return f"step peak <= {self.limit_bytes / 2**30:.2f} GiB"
+        return "fastest plan"
+
+
+def parse_budget(value) -> Budget:
+    """``None``; a float in [0, 1] (fraction of the activation bytes the fastest plan saves); an int
+    of bytes or a string like ``"8GB"``/``"512MiB"`` (GB = 10^9 bytes, GiB = 2^30), a limit on the
+    whole step's peak memory, weights included."""
+    if value is None:
+        return Budget()
+    if isinstance(value, Budget):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise LoraccError(
+            f"memory_budget must be None, a fraction in [0, 1], a byte count or a string like '8GB'; got {value!r}"
+        )
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise LoraccError(
+                f"memory_budget as a float is a fraction of the activation bytes of the fastest plan, in [0, 1]; got {value}"
+            )
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)\s*", value, re.IGNORECASE)
+        if match is None:
+            raise LoraccError(f"memory_budget {value!r} is not a size: write it like '8GB' or '512MiB'")
+        value = int(float(match[1]) * UNITS[match[2].lower()])
+    if value < MIN_LIMIT_BYTES:
+        raise LoraccError(
+            f"memory_budget={value} is read as {value} bytes, less than any training step needs; write a "
+            "fraction as a float (memory_budget=0.5) or a size as a string (memory_budget='8GB')"
+        )
+    return Budget(limit_bytes=value)
+
+
+def graph_mode(cuda_graphs, memory_budget) -> str:
+    """``loracc.compile``'s ``cuda_graphs`` (``True``, ``False`` or ``"auto"``) as a mode: ``"auto"``
+    only with the fastest plan (a budget did not plan for the graphs' buffers)."""
+    if cuda_graphs == "auto":
+        return "auto" if memory_budget is None else "off"
+    return "on" if cuda_graphs else "off"
