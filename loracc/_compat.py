@@ -220,3 +220,9 @@ def set_activation_memory_budget(value: float) -> None:
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = value
+
+
+def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share storage."""
+    return torch._C._is_alias_of(a, b)
+

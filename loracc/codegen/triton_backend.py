@@ -88,8 +88,8 @@ class TritonBackend:
         ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
-        # A graph with symbolic batch and sequence sizes runs from Python (a CUDA graph holds one set
-        # of sizes); its kernels take those sizes at run time.
+        # A graph with symbolic batch and sequence sizes: its kernels take those sizes at run time,
+        # and the runtime replays it as a CUDA graph per size (runtime/sized_graphs.py).
         symbolic = any(_compat.is_symbolic(p.meta.get("val")) for p in graph.find_nodes(op="placeholder"))
         for node in graph.nodes:
             if node.op == "call_function" and isinstance(node.target, FusedRows):
@@ -138,7 +138,7 @@ class TritonBackend:
             precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
         # save, and its trial capture would come at the step's memory peak, weights copied.
-        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2) or symbolic:
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):
             return gm
-        return self._graphs(gm, f"{stage} graph", mode=self.cuda_graphs, after=after, fixed_inputs=fixed_inputs,
+        return self._graphs(gm, f"{stage} graph", mode=self.cuda_graphs, after=after, symbolic=symbolic, fixed_inputs=fixed_inputs,
                             lend_from=lend_from, max_captures=3 * repeats + 4, layers=repeats)

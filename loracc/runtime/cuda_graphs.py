@@ -47,6 +47,7 @@ import torch
 
 from .._compat import saved_tensors_hooks_active
 from ..errors import LoraccError
+from .sized_graphs import Arena, SizedGraphs
 
 log = logging.getLogger("loracc")
 
@@ -190,10 +191,17 @@ class Replayers:
 
     def __init__(self):
         self.pool = SharedPool()
+        self.sized_pool = SharedPool()  # the sized graphs' temporaries: apart from the lent outputs above
+        self.arena: Arena | None = None
 
-    def __call__(self, fn, name: str, *, mode: str, after=None, **options) -> "Replayer":
+    def __call__(self, fn, name: str, *, mode: str, after=None, symbolic: bool = False, **options):
         """``fn`` as a ``Replayer``; ``after``: what the same region's forward compiled to (a
-        ``Replayer`` or not), ``options``: ``Replayer``'s keyword arguments."""
+        ``Replayer`` or not), ``options``: ``Replayer``'s keyword arguments. A ``symbolic`` graph
+        (its batch and sequence sizes symbols) becomes ``SizedGraphs`` instead: a graph per size."""
+        if symbolic:
+            if self.arena is None:
+                self.arena = Arena()
+            return SizedGraphs(fn, name, self.arena, self.sized_pool)
         return Replayer(fn, name, mode=mode, pool=self.pool, after=after if isinstance(after, Replayer) else None,
                         **options)
 

@@ -10,6 +10,7 @@ from ..errors import LoraccError
 from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
 from ..quant import base_formats
 from ..runtime.cuda_graphs import Replayer
+from ..runtime.sized_graphs import SizedGraphs
 from ..runtime.memory import predicted_peak_bytes
 from .dump import format_bytes
 
@@ -155,8 +156,10 @@ def _graph_decisions(region) -> list[str]:
         label = f"call signature {i + 1} of {len(programs)}, " if len(programs) > 1 else ""
         for stage in ("forward", "backward"):
             fn = getattr(program, stage)
-            if program.dynamic:
-                decisions.append(f"{label}{stage}: runs from Python (symbolic sizes: a CUDA graph holds one set of sizes)")
+            if isinstance(fn, SizedGraphs):
+                decisions.append(f"{label}{stage}: symbolic sizes, {fn.decision}")
+            elif program.dynamic:
+                decisions.append(f"{label}{stage}: runs from Python (symbolic sizes; cuda_graphs off, or a region run once a step)")
             elif isinstance(fn, Replayer):
                 decision = fn.decision or "not decided yet whether to replay as a CUDA graph (decides at its third call)"
                 decisions.append(f"{label}{stage}: {decision}")

@@ -1,0 +1,214 @@
+"""A symbolic program's stage replayed as CUDA graphs: one graph per set of sizes, shared by every layer.
+
+A symbolic program serves every batch and sequence size its guards admit, and its graph run from
+Python costs more host time than the GPU needs at training sizes (each of its hundreds of kernels
+launched from Python). ``SizedGraphs`` runs a stage of such a program as a CUDA graph for every set
+of input sizes (shapes, strides, dtypes) it has seen twice: the first call of a size runs from
+Python, the second captures and replays, later ones replay. Policy and measurement:
+docs/decisions/013-graphs-per-size.md.
+
+Each graph is shared by every layer that calls the stage: every input is copied into a static
+buffer before a replay, the graph writes every output into another, and the call returns copies of
+those (an output that is an input, or a view of one, is returned as the caller's own input or the
+same view of it). So nothing a graph holds belongs to one call, and no lease is needed.
+
+Invariants:
+
+- The static buffers of every size are views into one ``Arena`` per device: graphs replay one at a
+  time, and a call copies its inputs in right before and its outputs out right after its replay, so
+  one arena as large as the largest size needs serves all of them. When a size needs more than the
+  arena holds, a larger one (at least 1.5 times as large) replaces it and every graph over the old
+  one is dropped (captured again when its size comes back): memory does not grow with the number of
+  sizes.
+- Every graph's temporaries are allocated in one ``SharedPool`` of its own (never the per-layer
+  graphs' pool, whose lent outputs a replay here must not overwrite): dead when a graph returns,
+  so the workspaces of all sizes overlap.
+- At most ``max_graphs`` graphs are kept per stage, the least recently replayed dropped first.
+- A call whose inputs are not all CUDA tensors, or whose capture failed, runs from Python.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import weakref
+
+import torch
+
+from .. import _compat
+
+log = logging.getLogger("loracc")
+
+ALIGN = 256  # bytes: every buffer in the arena starts at a multiple of this (vectorised loads, TMA)
+
+
+class Arena:
+    """One byte buffer that the static inputs and outputs of every sized graph view."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.users: weakref.WeakSet[SizedGraphs] = weakref.WeakSet()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def views(self, specs: list, device: torch.device) -> list[torch.Tensor]:
+        """A view of the arena for each ``(shape, stride, dtype)`` in ``specs``, none overlapping
+        another; the arena grows first (dropping every graph over it) if they do not fit, or moves
+        to ``device``."""
+        offsets, end = [], 0
+        for shape, stride, dtype in specs:
+            offsets.append(end)
+            end += -(-_span_bytes(shape, stride, dtype) // ALIGN) * ALIGN
+        if self.buffer is None or end > self.nbytes or self.buffer.device != device:
+            for user in list(self.users):
+                user.drop_all()
+            old, self.buffer = self.nbytes, None  # freed before the larger one is allocated
+            # With headroom: sizes come in any order, and each growth drops every graph.
+            self.buffer = torch.empty(max(end, old * 3 // 2), dtype=torch.uint8, device=device)
+        return [self.buffer[o:o + _span_bytes(shape, stride, dtype)].view(dtype).as_strided(shape, stride)
+                for o, (shape, stride, dtype) in zip(offsets, specs)]
+
+
+class _SizeGraph:
+    """One captured graph: its static inputs, where its outputs go, and how to hand them back."""
+
+    def __init__(self, graph, static_inputs, out_views, outputs_plan):
+        self.graph, self.static_inputs, self.out_views, self.outputs_plan = graph, static_inputs, out_views, outputs_plan
+        self.seq = self.last_replay = 0
+
+    def __call__(self, inputs):
+        torch._foreach_copy_(self.static_inputs, list(inputs))
+        self.graph.replay()
+        copies = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in self.out_views]
+        if copies:
+            torch._foreach_copy_(copies, self.out_views)
+        results, it = [], iter(copies)
+        for kind, value in self.outputs_plan:
+            if kind == "copy":
+                results.append(next(it))
+            elif kind == "input":
+                k, shape, stride, delta = value
+                t = inputs[k]
+                results.append(t if shape is None else t.as_strided(shape, stride, t.storage_offset() + delta))
+            else:  # "const": not a tensor (None, a number)
+                results.append(value)
+        return results
+
+
+class SizedGraphs:
+    """``fn`` (a symbolic program's forward or backward graph) as one CUDA graph per set of input
+    sizes, captured at a size's second call (see the module's docstring). ``name``: for logs and
+    ``explain``; ``arena``, ``pool`` (a ``cuda_graphs.SharedPool``): shared by every stage of a model
+    on one device."""
+
+    def __init__(self, fn, name: str, arena: Arena, pool, max_graphs: int = 64):
+        self.fn, self.name, self.arena, self.pool, self.max_graphs = fn, name, arena, pool, max_graphs
+        self.graphs: collections.OrderedDict = collections.OrderedDict()  # size key → _SizeGraph, LRU order
+        self.seen: collections.Counter = collections.Counter()  # size key → calls from Python
+        self.failed: dict = {}  # size key → why its capture failed
+        self.captures = self.replays = self.python_calls = 0
+        arena.users.add(self)
+
+    @property
+    def decision(self) -> str:
+        """What ``explain`` says of this stage."""
+        text = (f"a CUDA graph per size ({len(self.graphs)} kept, {self.captures} captured, "
+                f"{self.replays} replays, {self.python_calls} calls from Python)")
+        if self.failed:
+            text += f"; capture failed for {len(self.failed)} size(s): {next(iter(self.failed.values()))}"
+        return text
+
+    def drop_all(self) -> None:
+        self.graphs.clear()
+
+    def __call__(self, *inputs):
+        if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+            self.python_calls += 1
+            return self.fn(*inputs)
+        key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs)
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.seen[key] += 1
+            if self.seen[key] < 2 or key in self.failed:
+                self.python_calls += 1
+                return self.fn(*inputs)
+            graph = self._capture(key, inputs)
+            if graph is None:
+                self.python_calls += 1
+                return self.fn(*inputs)
+        self.graphs.move_to_end(key)
+        self.replays += 1
+        self.pool.replays += 1
+        graph.last_replay = self.pool.replays
+        return graph(inputs)
+
+    def _capture(self, key, inputs) -> _SizeGraph | None:
+        try:
+            graph = self._capture_graph(inputs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: this size runs from Python, say why
+            self.failed[key] = f"{type(exc).__name__}: {exc}"
+            log.info("loracc: %s at sizes %s runs from Python: the capture failed (%s)",
+                     self.name, [list(s) for s, _, _ in key], self.failed[key])
+            torch.cuda.synchronize()
+            return None
+        self.captures += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def _capture_graph(self, inputs) -> _SizeGraph:
+        side = self.pool.warm_up_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, as capture requires; and the outputs' layout
+            warm = list(self.fn(*inputs))
+        torch.cuda.current_stream().wait_stream(side)
+        plan, copied = [], []
+        for j, out in enumerate(warm):
+            if not isinstance(out, torch.Tensor):
+                plan.append(("const", out))
+                continue
+            k = next((k for k, t in enumerate(inputs) if out is t or _compat.is_alias_of(out, t)), None)
+            if k is not None:
+                t = inputs[k]
+                plan.append(("input", (k, None, None, None) if out is t else
+                             (k, tuple(out.shape), out.stride(), out.storage_offset() - t.storage_offset())))
+            elif _dense(out):
+                plan.append(("copy", len(copied)))
+                copied.append(j)
+            else:
+                raise RuntimeError(f"output {j} ({list(out.shape)}, strides {out.stride()}) overlaps itself")
+        in_specs = [(tuple(t.shape), t.stride(), t.dtype) for t in inputs]
+        out_specs = [(tuple(warm[j].shape), warm[j].stride(), warm[j].dtype) for j in copied]
+        del warm
+        views = self.arena.views(in_specs + out_specs, inputs[0].device)
+        static_inputs, out_views = views[: len(inputs)], views[len(inputs):]
+        torch._foreach_copy_(static_inputs, list(inputs))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle()):
+            outputs = list(self.fn(*static_inputs))
+            for view, j in zip(out_views, copied):
+                view.copy_(outputs[j])
+            del outputs
+        sized = _SizeGraph(graph, static_inputs, out_views, plan)
+        self.pool.added(sized)
+        return sized
+
+
+def _span_bytes(shape, stride, dtype) -> int:
+    """Bytes from a tensor's first element to just past its last (0 when it has none)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a span of its storage, none at two indices (a copy into a view
+    of that layout is well defined)."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

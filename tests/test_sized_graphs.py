@@ -1,0 +1,124 @@
+"""runtime.sized_graphs: a symbolic program's stage replayed as one CUDA graph per set of sizes."""
+import pytest
+import torch
+
+from loracc.runtime.cuda_graphs import SharedPool
+from loracc.runtime.sized_graphs import ALIGN, Arena, SizedGraphs, _span_bytes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_arena_views_do_not_overlap_and_keep_each_layout():
+    arena = Arena()
+    specs = [((3, 5), (5, 1), torch.float32), ((4, 7), (1, 4), torch.bfloat16), ((2, 0), (1, 1), torch.float16),
+             ((9,), (1,), torch.bool)]
+    views = arena.views(specs, torch.device("cpu"))
+    for v, (shape, stride, dtype) in zip(views, specs):
+        assert tuple(v.shape) == shape and v.dtype == dtype
+        if v.numel():
+            assert v.stride() == stride and (v.data_ptr() - arena.buffer.data_ptr()) % ALIGN == 0
+    spans = sorted((v.data_ptr(), v.data_ptr() + _span_bytes(tuple(v.shape), v.stride(), v.dtype)) for v in views if v.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    for v in views:  # each can be written without touching the others
+        v.copy_(torch.ones(v.shape, dtype=v.dtype) if v.dtype != torch.bool else torch.ones(v.shape).bool())
+    assert all(bool((v == 1).all()) for v in views)
+
+
+def test_arena_grows_and_drops_the_graphs_over_the_old_buffer():
+    arena = Arena()
+    graphs = SizedGraphs(lambda x: (x,), "stage", arena, SharedPool())
+    arena.views([((4,), (1,), torch.float32)], torch.device("cpu"))
+    small = arena.nbytes
+    graphs.graphs["old"] = object()
+    arena.views([((2,), (1,), torch.float32)], torch.device("cpu"))
+    assert arena.nbytes == small and graphs.graphs  # fits: nothing dropped
+    arena.views([((1000,), (1,), torch.float32)], torch.device("cpu"))
+    assert arena.nbytes >= 4000 and not graphs.graphs
+
+
+def test_calls_off_the_gpu_run_from_python():
+    calls = []
+    graphs = SizedGraphs(lambda x: (calls.append(1) or x * 2,), "stage", Arena(),
+                         SharedPool())
+    x = torch.randn(3)
+    for _ in range(3):
+        (y,) = graphs(x)
+        torch.testing.assert_close(y, x * 2)
+    assert len(calls) == 3 and graphs.captures == 0 and graphs.python_calls == 3
+
+
+def _stage(x, w, b):
+    """Outputs of every kind a compiled stage returns: a new tensor, a non-contiguous one, an input,
+    a view of an input, a non-tensor."""
+    h = torch.nn.functional.gelu(x @ w + b)
+    return h, h.t() * 3, w, x[:, 1:], None
+
+
+@cuda
+def test_each_size_is_captured_at_its_second_call_and_replays_the_python_results():
+    torch.manual_seed(0)
+    graphs = SizedGraphs(_stage, "forward graph", Arena(), SharedPool())
+    w, b = torch.randn(13, 29, device="cuda"), torch.randn(29, device="cuda")
+    returned = []
+    for rows in (33, 33, 7, 19, 7, 19, 7, 33):  # the largest first: the arena never grows after
+        x = torch.randn(rows, 13, device="cuda")
+        expected = _stage(x, w, b)
+        got = graphs(x, w, b)
+        for e, g in zip(expected, got):
+            if e is None:
+                assert g is None
+                continue
+            assert g.shape == e.shape and g.stride() == e.stride()
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+        assert got[2] is w and got[3].data_ptr() == x.data_ptr() + x.element_size()
+        returned.append((got[0], got[1], expected[0].clone(), expected[1].clone()))
+    for h, ht, eh, eht in returned:  # copies: later replays did not overwrite what a call returned
+        torch.testing.assert_close(h, eh, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ht, eht, rtol=1e-4, atol=1e-5)
+    assert (graphs.captures, graphs.replays, graphs.python_calls) == (3, 5, 3)
+    assert len(graphs.graphs) == 3
+
+
+@cuda
+def test_a_larger_size_grows_the_arena_and_smaller_sizes_are_captured_again():
+    arena, pool = Arena(), SharedPool()
+    graphs = SizedGraphs(lambda x: (x.exp(),), "stage", arena, pool)
+    small, large = torch.randn(16, device="cuda"), torch.randn(4096, device="cuda")
+    for x in (small, small, small):
+        torch.testing.assert_close(graphs(x)[0], x.exp())
+    assert graphs.captures == 1
+    for x in (large, large):
+        torch.testing.assert_close(graphs(x)[0], x.exp())
+    assert graphs.captures == 2 and len(graphs.graphs) == 1  # the small size's graph went with the old arena
+    for x in (small, small):
+        torch.testing.assert_close(graphs(x)[0], x.exp())
+    assert graphs.captures == 3
+
+
+@cuda
+def test_at_most_max_graphs_are_kept():
+    graphs = SizedGraphs(lambda x: (x + 1,), "stage", Arena(), SharedPool(), max_graphs=2)
+    for n in (5, 5, 6, 6, 7, 7, 5, 5):
+        x = torch.randn(n, device="cuda")
+        torch.testing.assert_close(graphs(x)[0], x + 1)
+    assert len(graphs.graphs) == 2 and graphs.captures == 4
+
+
+@cuda
+def test_a_failed_capture_leaves_that_size_in_python():
+    def sync_inside(x):
+        return (x * float(x.sum()),)  # a host sync: not capturable
+
+    graphs = SizedGraphs(sync_inside, "stage", Arena(), SharedPool())
+    x = torch.randn(8, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(graphs(x)[0], x * float(x.sum()))
+    assert graphs.captures == 0 and "failed" in graphs.decision
+
+
+def test_dense_layouts_are_told_from_gapped_and_overlapping_ones():
+    from loracc.runtime.sized_graphs import _dense
+
+    x = torch.randn(4, 6, 5)
+    assert _dense(x) and _dense(x.transpose(0, 2)) and _dense(x[:1]) and _dense(torch.randn(1, 3)[:, :1])
+    assert not _dense(x[:, 1:4]) and not _dense(x[:, :1]) and not _dense(x[..., ::2]) and not _dense(torch.randn(3, 1).expand(3, 4))
