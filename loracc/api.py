@@ -1,4 +1,4 @@
-"""``loracc.compile`` and ``loracc.uncompile``: the user's entry, its checks, and the model's compiled state.
+"""``loracc.compile`` and ``loracc.uncompile``: the user's entry and its checks.
 
 ``compile`` checks the model and its options, builds the backend (``codegen.get_backend``, CUDA
 graphs through the runtime's ``Replayers``) and installs the regions (``frontend/regions.py``);
@@ -40,7 +40,7 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     on the whole step's predicted peak, weights, gradients and AdamW state included; if nothing fits,
     the first training call raises ``LoraccError`` naming the smallest peak possible.
     ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
-    ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/cuda_graphs.py``): ``"auto"`` replays a
+    ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/runtime/cuda_graphs.py``): ``"auto"`` replays a
     compiled graph as a CUDA graph where, timed at its second and third calls, a replay is clearly faster than
     running it from Python (docs/decisions/001-cuda-graph-policy.md); a program with symbolic sizes
     (a region's second call size on) runs from Python. Only with the fastest plan
@@ -48,7 +48,7 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     budget did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
     ``verify``: the first call of every graph loracc compiles also runs eagerly on the same inputs
     (the same dropout masks) and their outputs and gradients are compared within dtype-aware
-    tolerances (``loracc/verify.py``); a region that differs warns (what differed, by how much,
+    tolerances (``loracc/runtime/verify.py``); a region that differs warns (what differed, by how much,
     where) and runs eagerly from then on. ``None``: on where the environment has ``LORACC_VERIFY=1``.
     Costs one extra compiled and eager forward + backward per compiled graph.
     """

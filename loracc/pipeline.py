@@ -49,7 +49,7 @@ def compile_call(
 ) -> Program:
     """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
 
-    ``dynamic``: capture with the batch and sequence dims symbolic (``capture.dynamic_dims``): the
+    ``dynamic``: capture with the batch and sequence dims symbolic (``capture.trace.dynamic_dims``): the
     program then serves every call its guards admit (``Program.admits``), its plans and byte counts
     taken at this call's sizes; it is traced every time (the trace cache keeps static captures).
 

@@ -34,7 +34,7 @@ touch files: ``FILE_OPS``) and the Python functions torch.fx puts in graphs (``F
 ``operator.getitem``, arithmetic on sizes). Nothing is imported to read an entry. An entry naming
 anything else (planted, or from another loracc) is refused with a warning and traced again; a trace
 that calls something else is not cached. The folder is private to the user
-(``codegen.cache.cache_folder``), and an entry others may write to is never read.
+(``disk.cache_folder``), and an entry others may write to is never read.
 """
 from __future__ import annotations
 

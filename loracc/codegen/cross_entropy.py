@@ -3,7 +3,7 @@
 Per chunk of rows: the logits GEMM (cuBLAS, in the weight's dtype), then one kernel that reads
 each row twice (a running-max logsumexp, then the gradient) and writes the loss of the row and,
 over the logits, their gradient ``s·(softmax − onehot)`` in the weight's dtype; then the GEMM for
-the hidden states' gradient. The ATen reference (``loracc.cross_entropy``) makes an fp32 copy of
+the hidden states' gradient. The ATen reference (``loracc.ir.cross_entropy``) makes an fp32 copy of
 the chunk and passes over it about ten times; the arithmetic is the same (fp32 softmax, the
 gradient scaled before its cast), so the two agree to fp32 rounding of the softmax.
 """
@@ -38,7 +38,7 @@ def block_v(vocab: int, device: torch.device) -> int:
 
 
 def linear_cross_entropy(hidden, weight, labels, count, ignore_index: int, chunk_rows: int):
-    """Same contract as ``loracc.cross_entropy.linear_cross_entropy``: ``(loss, grad_hidden)``."""
+    """Same contract as ``loracc.ir.cross_entropy.linear_cross_entropy``: ``(loss, grad_hidden)``."""
     vocab = weight.shape[0]
     kernel = _kernel(vocab, weight.dtype, int(ignore_index), hidden.device)
     block = block_v(vocab, hidden.device)

@@ -11,7 +11,7 @@ recorded for them; offsets are int64 where one can reach 2^31. Values in 16-bit 
 in fp32 and rounded to their dtype after each op, as the eager ops do (a 0-dim fp32 operand of a
 16-bit op is rounded to it first, as eager converts it).
 
-A group traced with symbolic batch and sequence sizes (``capture.dynamic_dims``) gets a kernel
+A group traced with symbolic batch and sequence sizes (``capture.trace.dynamic_dims``) gets a kernel
 generic in them: its leading dims and row count are run-time arguments (``R0``, ``R1``, …,
 ``n_rows``), read at each call from the inputs' sizes; its last dims stay constants.
 """

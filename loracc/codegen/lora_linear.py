@@ -1,7 +1,7 @@
 """Fused implementations of ``loracc::lora_linear`` and ``loracc::lora_linear_backward``.
 
 They take the ops' arguments and return what the ops' reference implementations return (see
-``loracc/ops.py``); the Triton backend puts them in place of the ops in a compiled graph.
+``loracc/ir/ops.py``); the Triton backend puts them in place of the ops in a compiled graph.
 
 Forward, ``y = x@Wᵀ (+ bias) + s·(u@Bᵀ)``, returned with ``su = s·u`` for the backward: the
 ``lora_gemm`` template does it in one GEMM whose main loop also computes ``u = x@Aᵀ`` (no second

@@ -274,7 +274,7 @@ def _save_bytes(node: fx.Node) -> int | None:
 def _is_expensive(node: fx.Node) -> bool:
     """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight), and every op
     outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM) but the cheap ones
-    (``ops.RECOMPUTABLE``: a quantized weight's decoding, recomputed rather than saved)."""
+    (``quant.RECOMPUTABLE``: a quantized weight's decoding, recomputed rather than saved)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.target in RECOMPUTABLE:
         return False
     packet = node.target.overloadpacket
