@@ -98,16 +98,19 @@ class _SizeGraph:
 
 class SizedGraphs:
     """``fn`` (a symbolic program's forward or backward graph) as one CUDA graph per set of input
-    sizes, captured at a size's second call (see the module's docstring). ``name``: for logs and
+    sizes, captured at a size's second call (see the module's docstring; a block's layers call
+    their stage once each, so a size new in a step replays from its third layer on). ``name``: for logs and
     ``explain``; ``arena``, ``pool`` (a ``cuda_graphs.SharedPool``): shared by every stage of a model
     on one device."""
 
     def __init__(self, fn, name: str, arena: Arena, pool, max_graphs: int = 64):
         self.fn, self.name, self.arena, self.pool, self.max_graphs = fn, name, arena, pool, max_graphs
         self.graphs: collections.OrderedDict = collections.OrderedDict()  # size key → _SizeGraph, LRU order
-        self.seen: collections.Counter = collections.Counter()  # size key → calls from Python
-        self.failed: dict = {}  # size key → why its capture failed
+        # size key → what a call from Python returned (``_outputs_plan``): a size seen once
+        self.seen: collections.OrderedDict = collections.OrderedDict()
+        self.failed: dict = {}  # size key → why it runs from Python (its capture failed)
         self.captures = self.replays = self.python_calls = 0
+        self._warmed = False
         arena.users.add(self)
 
     @property
@@ -129,23 +132,34 @@ class SizedGraphs:
         key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs)
         graph = self.graphs.get(key)
         if graph is None:
-            self.seen[key] += 1
-            if self.seen[key] < 2 or key in self.failed:
-                self.python_calls += 1
-                return self.fn(*inputs)
-            graph = self._capture(key, inputs)
+            seen = self.seen.get(key)
+            if seen is None or key in self.failed:
+                return self._from_python(key, inputs)
+            graph = self._capture(key, inputs, *seen)
             if graph is None:
-                self.python_calls += 1
-                return self.fn(*inputs)
+                return self._from_python(key, inputs)
         self.graphs.move_to_end(key)
         self.replays += 1
         self.pool.replays += 1
         graph.last_replay = self.pool.replays
         return graph(inputs)
 
-    def _capture(self, key, inputs) -> _SizeGraph | None:
+    def _from_python(self, key, inputs):
+        """The call run from Python; a size's first also records what its graph will return."""
+        self.python_calls += 1
+        outputs = self.fn(*inputs)
+        if key not in self.failed and key not in self.seen:
+            try:
+                self.seen[key] = _outputs_plan(outputs, inputs)
+            except ValueError as exc:
+                self.failed[key] = str(exc)
+            while len(self.seen) > 4 * self.max_graphs:
+                self.seen.popitem(last=False)
+        return outputs
+
+    def _capture(self, key, inputs, plan, out_specs) -> _SizeGraph | None:
         try:
-            graph = self._capture_graph(inputs)
+            graph = self._capture_graph(inputs, plan, out_specs)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this size runs from Python, say why
             self.failed[key] = f"{type(exc).__name__}: {exc}"
             log.info("loracc: %s at sizes %s runs from Python: the capture failed (%s)",
@@ -158,42 +172,62 @@ class SizedGraphs:
             self.graphs.popitem(last=False)
         return graph
 
-    def _capture_graph(self, inputs) -> _SizeGraph:
-        side = self.pool.warm_up_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up, as capture requires; and the outputs' layout
-            warm = list(self.fn(*inputs))
-        torch.cuda.current_stream().wait_stream(side)
-        plan, copied = [], []
-        for j, out in enumerate(warm):
-            if not isinstance(out, torch.Tensor):
-                plan.append(("const", out))
-                continue
-            k = next((k for k, t in enumerate(inputs) if out is t or _compat.is_alias_of(out, t)), None)
-            if k is not None:
-                t = inputs[k]
-                plan.append(("input", (k, None, None, None) if out is t else
-                             (k, tuple(out.shape), out.stride(), out.storage_offset() - t.storage_offset())))
-            elif _dense(out):
-                plan.append(("copy", len(copied)))
-                copied.append(j)
-            else:
-                raise RuntimeError(f"output {j} ({list(out.shape)}, strides {out.stride()}) overlaps itself")
+    def _capture_graph(self, inputs, plan, out_specs) -> _SizeGraph:
+        """Capture ``fn`` over arena buffers holding ``inputs``. No warm-up run: a call of the same
+        sizes already ran from Python (kernels compiled, autotuned, plans built); only a stage's first
+        capture warms the capture stream up. Unlike ``torch.cuda.graph``, no
+        device synchronisation and no ``empty_cache`` (each would cost every new size milliseconds)."""
         in_specs = [(tuple(t.shape), t.stride(), t.dtype) for t in inputs]
-        out_specs = [(tuple(warm[j].shape), warm[j].stride(), warm[j].dtype) for j in copied]
-        del warm
         views = self.arena.views(in_specs + out_specs, inputs[0].device)
         static_inputs, out_views = views[: len(inputs)], views[len(inputs):]
         torch._foreach_copy_(static_inputs, list(inputs))
+        copied = [j for j, (kind, _) in enumerate(plan) if kind == "copy"]
+        stream = self.pool.warm_up_stream()
+        stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle()):
-            outputs = list(self.fn(*static_inputs))
-            for view, j in zip(out_views, copied):
-                view.copy_(outputs[j])
-            del outputs
+        with torch.cuda.stream(stream):
+            if not self._warmed:  # the stage's first capture: whatever a new stream initialises lazily (cuBLAS's workspace)
+                self.fn(*static_inputs)
+                self._warmed = True
+            graph.capture_begin(pool=self.pool.handle())
+            try:
+                outputs = list(self.fn(*static_inputs))
+                for view, j in zip(out_views, copied):
+                    view.copy_(outputs[j])
+                del outputs
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is invalid already; the first error says why
+                    pass
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
         sized = _SizeGraph(graph, static_inputs, out_views, plan)
         self.pool.added(sized)
         return sized
+
+
+def _outputs_plan(outputs, inputs) -> tuple[list, list]:
+    """How a graph hands back each of ``outputs`` (one call's, from Python): a copy out of the
+    arena, the caller's input (or the same view of it), or the value itself (not a tensor); and the
+    layouts of those copied. Raises ``ValueError`` for an output whose elements overlap."""
+    plan, out_specs = [], []
+    for j, out in enumerate(outputs):
+        if not isinstance(out, torch.Tensor):
+            plan.append(("const", out))
+            continue
+        k = next((k for k, t in enumerate(inputs) if out is t or _compat.is_alias_of(out, t)), None)
+        if k is not None:
+            t = inputs[k]
+            plan.append(("input", (k, None, None, None) if out is t else
+                         (k, tuple(out.shape), out.stride(), out.storage_offset() - t.storage_offset())))
+        elif _dense(out):
+            plan.append(("copy", len(out_specs)))
+            out_specs.append((tuple(out.shape), out.stride(), out.dtype))
+        else:
+            raise ValueError(f"output {j} ({list(out.shape)}, strides {out.stride()}) overlaps itself")
+    return plan, out_specs
 
 
 def _span_bytes(shape, stride, dtype) -> int:
