@@ -241,3 +241,28 @@ def test_trainer_with_a_padding_collator_and_group_by_length_matches_eager(tmp_p
     compiled = runs["loracc"][1]
     assert all(r.calls for r in compiled._loracc.regions)
     assert all(r.captures <= 4 for r in compiled._loracc.regions), _captures(compiled)
+
+
+def test_symbolic_captures_trace_attention_without_the_cudnn_backend():
+    """cuDNN's attention builds a plan per new shape: off while a symbolic graph is traced, and back
+    as it was after (static traces keep PyTorch's choice)."""
+    from loracc.capture.trace import capture_forward, call_signature
+
+    seen = []
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            q = self.proj(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    x = torch.randn(2, 5, 8)
+    capture_forward(Attention(), "attn", call_signature((x,), {}), dynamic=True)
+    capture_forward(Attention(), "attn", call_signature((x,), {}), dynamic=False)
+    assert seen[0] is False and seen[-1] is before
+    assert torch.backends.cuda.cudnn_sdp_enabled() is before

@@ -11,6 +11,8 @@ is loracc's own backward op by construction; LayerNorm is differentiated as its 
 """
 from __future__ import annotations
 
+import contextlib
+
 import re
 from dataclasses import dataclass, field
 
@@ -156,12 +158,27 @@ def dynamic_dims(tensors: list[torch.Tensor]) -> list[list[bool]]:
     return [[size in leading for size in t.shape] for t in tensors]
 
 
+@contextlib.contextmanager
+def _without_cudnn_attention(dynamic: bool):
+    """While a symbolic graph is traced, scaled-dot-product attention's cuDNN backend is off, so the
+    graph records flash or memory-efficient attention instead: cuDNN builds an execution plan for
+    every new shape (its cost per new length: decision 013), the others do not.
+    A static graph keeps whichever backend PyTorch picks."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    if dynamic:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
 def capture_forward(module: nn.Module, module_path: str, signature: CallSignature, dynamic: bool = False) -> CapturedForward:
     """Trace ``module(*args, **kwargs)`` into an ATen graph whose inputs are state + tensor args.
 
     ``dynamic``: the call's batch and sequence dims (``dynamic_dims``) are symbols, so the graph
-    serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``); otherwise every
-    size is a constant."""
+    serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``), and attention
+    never takes cuDNN's backend (``_without_cudnn_attention``); otherwise every size is a constant."""
     _check_no_recording_hooks(module)
     names, state = module_state(module)
     captured = CapturedForward(gm=None, param_names=names)
@@ -186,7 +203,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     hooks = {name: module.__dict__[name] for name in ROOT_HOOKS if module.__dict__.get(name)}
     module.__dict__.update({name: type(value)() for name, value in hooks.items()})
     try:
-        with _SourceTracker(module, module_path):
+        with _SourceTracker(module, module_path), _without_cudnn_attention(dynamic):
             gm = _compat.trace(flat_forward, examples, decompositions=CAPTURE_DECOMPOSITIONS)
     except Unsupported:
         raise
