@@ -585,7 +585,7 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     _step_run(results / "2026-01-05-cpu-ddddddd", "2026-01-05T10:00:00+00:00", "CPU (x, 2 cores)",
               [_record("loracc", [1.0], tokens=5.0)])
     table = readme_table.table_text(results)
-    assert "- [2026-01-01-h100-aaaaaaa](" in table and "GPU X, 2026-01-01, commit abcdef0; torch 2.11.0;" in table
+    assert "- [2026-01-01-h100-aaaaaaa](" in table and "GPU X, 2026-01-01, commit abcdef0; torch 2.11.0\n" in table
     assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 | 2026-01-01-h100-aaaaaaa |" in table
     assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table and "cpu" not in table
     assert "| qwen2-0.5b-varlen (lengths ≤ 4096) | loracc | 900 | — | 12.0 | 1.00 | 2026-01-03-h100-ccccccc |" in table
