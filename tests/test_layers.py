@@ -116,3 +116,14 @@ def test_the_check_sees_an_upward_import(module, source):
 def test_the_check_lets_downward_and_same_layer_imports_pass():
     assert not upward_imports("loracc.runtime.region", False, "from ..pipeline import Program\nfrom . import verify\n", "x")
     assert not upward_imports("loracc.passes.remat", False, "from ..quant import RECOMPUTABLE\nfrom .. import _compat\n", "x")
+
+
+def test_pyproject_ships_every_subpackage():
+    """A subpackage missing from ``[tool.setuptools] packages`` works in a checkout and is absent
+    from an installed wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    repo = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(repo).parts) for p in (repo / "loracc").rglob("__init__.py")}
+    assert found - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
