@@ -80,7 +80,7 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
         dict(kind=region.kind, runs=repeats, saved_bytes=program.reports["remat"]["saved bytes"],
              fastest_saved_bytes=program.reports["remat"]["fastest plan saved bytes"],
              recomputed_gemms=program.reports["remat"]["recomputed GEMMs and attention"],
-             arena_bytes=program.reports["memory_plan"]["arena_bytes"],
+             arena_bytes=program.reports["memory_plan"].arena_bytes,
              remat_seconds=program.reports["remat"]["seconds"])
         for (region, program), (_, repeats) in zip(regions, runs)
     ]

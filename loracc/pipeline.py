@@ -17,6 +17,7 @@ from .capture.trace import CallSignature, CapturedForward, capture_forward, deri
 from .capture.trace_cache import Traced, cached_trace
 from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
 from .passes import FORWARD_PASSES, fusion, memory_plan, partition, remat
+from .passes.memory_plan import MemoryPlanReport
 
 
 @dataclass
@@ -29,7 +30,9 @@ class Program:
     differentiable: list[bool]
     grad_inputs: list[int]
     stages: dict[str, fx.GraphModule] = field(default_factory=dict)
-    reports: dict[str, dict] = field(default_factory=dict)
+    # Each pass's report by name: a dict, or a typed report with ``asdict()`` (``memory_plan``:
+    # ``MemoryPlanReport``, ``partition``: ``PartitionReport``).
+    reports: dict[str, object] = field(default_factory=dict)
     compile_seconds: float = 0.0
     generic_key: tuple | None = None  # a symbolic program: the calls it may serve (runtime._generic_key)
 
@@ -82,11 +85,9 @@ def compile_call(
         planned = memory_plan(grouped.gm)
         stages[stage] = planned.gm
         memory[stage] = planned.report
-    # The forward and the backward never run at once: one arena serves both, and every layer.
-    memory["arena_bytes"] = max(memory["forward"]["arena_bytes"], memory["backward"]["arena_bytes"])
-    memory["tangent_bytes"] = sum(value_bytes(t.meta.get("val")) for t in placeholders(joint) if role(t) == "tangent")
+    tangent_bytes = sum(value_bytes(t.meta.get("val")) for t in placeholders(joint) if role(t) == "tangent")
     reports["fusion"] = fused
-    reports["memory_plan"] = memory
+    reports["memory_plan"] = MemoryPlanReport.of(memory["forward"], memory["backward"], tangent_bytes)
 
     # A layer's parameters are the same tensors at every call, and so is what its forward saves
     # (replayed as CUDA graphs: read in place, see runtime/cuda_graphs.py).

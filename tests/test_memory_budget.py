@@ -56,3 +56,21 @@ def test_impossible_byte_limit_names_the_smallest_peak():
     loracc.compile(model, memory_budget=2**20 + 1)
     with pytest.raises(loracc.LoraccError, match=r"cannot be met.*the step needs about"):
         model(**batch)
+
+
+def test_step_memory_reserves_what_the_other_regions_save_and_predicts_the_peak():
+    from loracc.runtime.memory import StepMemory, predicted_peak_bytes
+
+    _, compiled = _trained(None)
+    state = compiled._loracc
+    memory = StepMemory(state.regions, state.persistent_bytes)
+    runs = [(r.latest, r.repeats) for r in state.regions]
+    assert memory.runs() == runs
+    assert memory.predicted_peak_bytes() == predicted_peak_bytes(runs, state.persistent_bytes)
+    assert memory.predicted_peak_bytes() == loracc.explain(compiled).predicted_peak_bytes
+    saved = {r.name: r.latest.reports["memory_plan"].forward.saved_bytes * r.repeats for r in state.regions}
+    for region in state.regions:
+        others = sum(b for name, b in saved.items() if name != region.name)
+        assert memory.reserved_bytes(region, []) == state.persistent_bytes + others
+    assert StepMemory([], 123).predicted_peak_bytes() is None
+    assert StepMemory([], 123).reserved_bytes(state.regions[0], []) == 123

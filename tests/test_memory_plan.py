@@ -6,6 +6,7 @@ if two live buffers overlapped, a later write would clobber a value still to be 
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -22,6 +23,7 @@ from loracc.ir.graph import info, output_values, placeholders
 from loracc.passes import memory_plan
 from loracc.passes.memory_plan import ALIGNMENT, buffers, graph_memory, plan_offsets, value_bytes
 from loracc.runtime.memory import predicted_peak_bytes
+from loracc.tools.dump import dump_program
 
 aten = torch.ops.aten
 
@@ -80,7 +82,7 @@ def _run_both(gm, inputs, seed=0):
     report = memory_plan(gm).report
     torch.manual_seed(seed)
     expected = gm(*inputs)
-    arena = torch.full((report["arena_bytes"],), 0xFF, dtype=torch.uint8)
+    arena = torch.full((report.arena_bytes,), 0xFF, dtype=torch.uint8)
     torch.manual_seed(seed)
     got = ArenaRun(gm, arena).run(*inputs)
     return expected, got, report
@@ -114,7 +116,7 @@ def test_views_in_place_ops_and_tuples_share_their_buffer():
     expected, got, report = _run_both(gm, inputs)
     _assert_same(expected, got)
     _plan_is_disjoint(gm)
-    assert report["arena_bytes"] >= report["peak_bytes"] - report["output_bytes"]
+    assert report.arena_bytes >= report.peak_bytes - report.output_bytes
 
 
 def test_peak_counts_live_intermediates_and_outputs_so_far():
@@ -126,9 +128,9 @@ def test_peak_counts_live_intermediates_and_outputs_so_far():
 
     gm = _compat.trace(f, [torch.randn(32, 32)])
     report = graph_memory(gm)
-    assert report["peak_bytes"] == 2 * 4096 + 128
-    assert report["output_bytes"] == 4096 + 128
-    assert report["arena_bytes"] == 4096
+    assert report.peak_bytes == 2 * 4096 + 128
+    assert report.output_bytes == 4096 + 128
+    assert report.arena_bytes == 4096
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +155,7 @@ def test_real_block_graphs_run_from_their_arena(llama_program):
     expected, got, report = _run_both(forward, primals)
     _assert_same(expected, got)
     _plan_is_disjoint(forward)
-    assert report["saved_bytes"] > 0
+    assert report.saved_bytes > 0
 
     saved = list(expected[llama_program.n_outputs:])
     tangents = [torch.randn(p.meta["val"].shape) for p in placeholders(backward)[len(saved):]]
@@ -164,10 +166,11 @@ def test_real_block_graphs_run_from_their_arena(llama_program):
 
 def test_program_reports_memory_per_graph(llama_program):
     memory = llama_program.reports["memory_plan"]
-    for stage in ("forward", "backward"):
-        assert memory[stage]["arena_bytes"] > 0 and memory[stage]["peak_bytes"] > 0
-    assert memory["arena_bytes"] == max(memory["forward"]["arena_bytes"], memory["backward"]["arena_bytes"])
-    assert memory["forward"]["saved_bytes"] == llama_program.reports["remat"]["saved bytes"]
+    for stage in (memory.forward, memory.backward):
+        assert stage.arena_bytes > 0 and stage.peak_bytes > 0
+    assert memory.arena_bytes == max(memory.forward.arena_bytes, memory.backward.arena_bytes)
+    assert memory.forward.saved_bytes == llama_program.reports["remat"]["saved bytes"]
+    assert memory.forward.saved_bytes == llama_program.reports["partition"].saved_bytes
 
 
 class LiveBytes(TorchDispatchMode):
@@ -199,3 +202,18 @@ def test_predicted_peak_matches_the_bytes_a_step_holds(budget):
         model(**batch).loss.backward()
     predicted = predicted_peak_bytes(runs, persistent_bytes=0)
     assert abs(predicted - measure.peak) <= 0.05 * measure.peak
+
+
+def test_typed_reports_print_as_the_dicts_dump_always_printed(llama_program):
+    memory = llama_program.reports["memory_plan"]
+    stage_keys = ["arena_bytes", "peak_bytes", "output_bytes", "saved_bytes", "saved_input_bytes", "buffers"]
+    plain = memory.asdict()
+    assert list(plain) == ["forward", "backward", "arena_bytes", "tangent_bytes"]
+    assert list(plain["forward"]) == list(plain["backward"]) == stage_keys
+    assert plain["forward"]["saved_bytes"] == memory.forward.saved_bytes
+    assert json.loads(json.dumps(plain)) == plain
+    partition = llama_program.reports["partition"].asdict()
+    assert list(partition) == ["saved tensors", "saved inputs", "saved bytes", "recomputed in backward", "primals"]
+    text = dump_program(llama_program, "llama")
+    assert f"# memory_plan report: {json.dumps(plain)}" in text
+    assert f"# partition report: {json.dumps(partition)}" in text

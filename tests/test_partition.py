@@ -107,7 +107,7 @@ def test_partition_splits_along_the_saved_marks(block):
     result = partition(joint, n_outputs)
     tangents = [p for p in placeholders(joint) if info(p).get("role") == "tangent"]
     assert len(placeholders(result.gm.backward)) == len(saved) + len(tangents)
-    assert result.report["saved tensors"] + result.report["saved inputs"] == len(saved)
-    assert result.report["saved bytes"] == result.gm.saved_bytes > 0
+    assert result.report.saved_tensors + result.report.saved_inputs == len(saved)
+    assert result.report.saved_bytes == result.gm.saved_bytes > 0
     outputs = output_node(result.gm.forward).args[0]
     assert [o.name for o in outputs[n_outputs:]] == [s.name for s in saved]

@@ -389,7 +389,7 @@ def test_memory_counts_the_packed_weights_and_the_decode_workspace():
     assert persistent_bytes(compiled) == rest + state_bytes
     _step(compiled, batch)
     block = next(r for r in compiled._loracc.regions if r.kind == "block").latest
-    assert block.reports["memory_plan"]["arena_bytes"] >= max(decoded_bytes)
+    assert block.reports["memory_plan"].arena_bytes >= max(decoded_bytes)
     assert loracc.explain(compiled).predicted_peak_bytes >= persistent_bytes(compiled) + max(decoded_bytes)
     formats = base_formats(compiled)
     assert len(formats) == 14 and all(f.startswith("nf4 (blocks of 64, absmax in 8 bits per 256)") for f in formats.values())

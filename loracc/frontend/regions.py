@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..capture.trace import RUN_HOOKS, module_fingerprint
-from ..ir import cross_entropy
 from ..ir.graph import param_role
+from ..runtime.memory import StepMemory
 from ..runtime.region import Region
 from .hf_causal_lm import HeadForward, causal_lm
 from .patching import EAGER, CompiledForward, eager_signature, patch, patch_use_cache
@@ -70,7 +70,9 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def install(model: nn.Module, state: CompiledState) -> None:
     head = causal_lm(model)
-    reserved = _reserved_bytes(state, head[0].config.vocab_size if head is not None else None)
+    # A region's byte budget plans against what the rest of the step holds (StepMemory.reserved_bytes).
+    reserved = StepMemory(state.regions, state.persistent_bytes,
+                          head_vocab=head[0].config.vocab_size if head is not None else None).reserved_bytes
     blocks = _find_block_lists(model)
     for list_path, owner, layers in blocks:
         for group in _group_layers(layers):
@@ -105,29 +107,6 @@ def install(model: nn.Module, state: CompiledState) -> None:
                         memory_budget=state.memory_budget, reserved_bytes=reserved)
         state.regions.append(region)
         patch(state, model, _BlockForward(region, model, type(model).__name__))
-
-
-def _reserved_bytes(state: CompiledState, head_vocab: int | None = None):
-    """For a region's byte budget: the persistent bytes, what the other compiled regions save for
-    the backward, and, for a block while the head is not compiled yet (blocks compile first), an
-    estimate of the fused head's share: its saved hidden state and hidden gradient, and one loss
-    chunk's temporaries (counted on top of the block's own workspace, although the two never coexist:
-    conservative). The head then plans against the exact bytes."""
-
-    def reserved(region: Region, tensors: list) -> int:
-        others = [(r.latest, r.repeats) for r in state.regions if r is not region and r.latest is not None]
-        held = state.persistent_bytes + sum(
-            p.reports["memory_plan"]["forward"]["saved_bytes"] * repeats for p, repeats in others
-        )
-        head = next((r for r in state.regions if r.kind == "head"), None)
-        if region.kind == "block" and head is not None and head.latest is None and tensors and head_vocab:
-            hidden = tensors[0]
-            rows = hidden.numel() // hidden.shape[-1]
-            held += 2 * hidden.numel() * hidden.element_size() + cross_entropy.workspace_bytes(
-                head_vocab, cross_entropy.chunk_rows_for(head_vocab, rows), hidden.dtype)
-        return held
-
-    return reserved
 
 
 class _BlockForward(CompiledForward):

@@ -9,12 +9,15 @@ from the node that allocates it to the last node that reads it or any view of it
 ops and tuple items share their base's buffer). Because every intermediate dies inside the graph,
 one arena serves every call: every layer of a repeated block, its forward and its backward.
 
-The report: ``arena_bytes``; ``peak_bytes``, the most bytes the graph holds above its inputs at any
-point when each buffer is allocated at its node and freed after its last use (what the eager backend
-does: fx frees each value after its last use), outputs included; ``output_bytes``; ``saved_bytes``,
-the activation bytes the forward hands to the backward (graph inputs that are activations count,
-parameters do not), ``saved_input_bytes`` the part of them that are graph inputs. ``step_peak_bytes``
-turns the reports of a step's regions into the step's predicted peak.
+The report is a ``StageMemory`` (frozen; ``asdict()`` gives the dict ``loracc dump`` prints):
+``arena_bytes``; ``peak_bytes``, the most bytes the graph holds above its inputs at any point when
+each buffer is allocated at its node and freed after its last use (what the eager backend does: fx
+frees each value after its last use), outputs included; ``output_bytes``; ``saved_bytes``, the
+activation bytes the forward hands to the backward (graph inputs that are activations count,
+parameters do not), ``saved_input_bytes`` the part of them that are graph inputs; ``buffers``. A
+program's two graphs make one ``MemoryPlanReport`` (``MemoryPlanReport.of``), and
+``MemoryPlanReport.region`` with ``step_peak_bytes`` turns the reports of a step's regions into the
+step's predicted peak (``runtime.memory.StepMemory`` asks it).
 
 Both backends run the graph as is and let PyTorch's allocator place each buffer (a CUDA graph's
 in the pool every graph of the model shares, so the temporaries of every layer share its free
@@ -24,6 +27,7 @@ offset lost to the allocator (docs/decisions/002-arena-execution-dropped.md).
 from __future__ import annotations
 
 import operator
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -167,20 +171,75 @@ def plan_offsets(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[i
     return offsets, arena
 
 
-def graph_memory(gm: fx.GraphModule) -> dict:
+class _Report:
+    """What the typed reports of this module share: ``asdict()`` (nested reports as dicts, in field
+    order: the JSON ``loracc dump`` prints) and, for readers not yet moved to attributes,
+    ``report["name"]`` (the attribute ``name``)."""
+
+    def asdict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class StageMemory(_Report):
+    """The memory report of one graph (a program's forward or its backward); see the module docstring.
+    Invariants: every field is a count >= 0; ``saved_input_bytes <= saved_bytes``; ``output_bytes <=
+    peak_bytes`` (the outputs are alive at the end)."""
+
+    arena_bytes: int
+    peak_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    saved_input_bytes: int
+    buffers: int
+
+
+@dataclass(frozen=True)
+class MemoryPlanReport(_Report):
+    """The memory report of a program: its forward's and its backward's ``StageMemory``, the arena
+    both share (``arena_bytes``: the larger of the two; the forward and the backward never run at
+    once, so one arena serves both and every layer) and ``tangent_bytes``, the incoming gradients its
+    backward reads. ``forward.saved_bytes`` is what one run of the program holds from its forward to
+    its backward."""
+
+    forward: StageMemory
+    backward: StageMemory
+    arena_bytes: int
+    tangent_bytes: int
+
+    @classmethod
+    def of(cls, forward: StageMemory, backward: StageMemory, tangent_bytes: int) -> MemoryPlanReport:
+        return cls(forward, backward, max(forward.arena_bytes, backward.arena_bytes), tangent_bytes)
+
+    def region(self, repeats: int) -> RegionMemory:
+        """What this program adds to a step that runs it ``repeats`` times (``step_peak_bytes``)."""
+        return RegionMemory(
+            repeats=repeats,
+            saved_bytes=self.forward.saved_bytes,
+            saved_input_bytes=self.forward.saved_input_bytes,
+            forward_peak_bytes=self.forward.peak_bytes,
+            backward_peak_bytes=self.backward.peak_bytes,
+            tangent_bytes=self.tangent_bytes,
+        )
+
+
+def graph_memory(gm: fx.GraphModule) -> StageMemory:
     """The memory report of ``gm`` (see the module docstring) without annotating it."""
     nodes, outputs = list(gm.graph.nodes), output_values(gm)
     found = buffers(nodes, outputs)
     temps = [b for b in found if not b.is_output]
     _, arena = plan_offsets([b.nbytes for b in temps], [(b.first, b.last) for b in temps])
-    return {
-        "arena_bytes": arena,
-        "peak_bytes": peak_bytes(nodes, outputs),
-        "output_bytes": sum(b.nbytes for b in found if b.is_output),
-        "saved_bytes": activation_bytes(n for n in nodes if "saved" in info(n) and n.op != "output"),
-        "saved_input_bytes": activation_bytes(n for n in nodes if "saved" in info(n) and n.op == "placeholder"),
-        "buffers": len(found),
-    }
+    return StageMemory(
+        arena_bytes=arena,
+        peak_bytes=peak_bytes(nodes, outputs),
+        output_bytes=sum(b.nbytes for b in found if b.is_output),
+        saved_bytes=activation_bytes(n for n in nodes if "saved" in info(n) and n.op != "output"),
+        saved_input_bytes=activation_bytes(n for n in nodes if "saved" in info(n) and n.op == "placeholder"),
+        buffers=len(found),
+    )
 
 
 @dataclass
@@ -225,6 +284,7 @@ def activation_bytes(nodes) -> int:
 
 
 def memory_plan(gm: fx.GraphModule) -> PassResult:
+    """Annotate ``gm``'s intermediates with their arena offsets; the report is ``graph_memory(gm)``."""
     found = [b for b in buffers(list(gm.graph.nodes), output_values(gm)) if not b.is_output]
     offsets, _ = plan_offsets([b.nbytes for b in found], [(b.first, b.last) for b in found])
     for b, offset in zip(found, offsets):

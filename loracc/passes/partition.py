@@ -13,6 +13,7 @@ the backward read an input that is not saved, or run a random or in-place op aga
 The backward's own in-place writes into a buffer it reads run too, in their joint order, even when
 nothing reads their result.
 ``detach``/``alias`` nodes (identities outside autograd) are dropped from both graphs.
+The report is a ``PartitionReport`` (frozen; ``asdict()`` gives the dict ``loracc dump`` prints).
 """
 from __future__ import annotations
 
@@ -35,6 +36,29 @@ class Partitioned:
     saved: list[str]
     saved_bytes: int
     recomputed: list[str]
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    """What ``partition`` did: how many saved values are computed nodes (``saved_tensors``) and graph
+    inputs (``saved_inputs``), their activation bytes (``saved_bytes``, as ``Partitioned.saved_bytes``),
+    how many forward nodes the backward recomputes, and the joint graph's primal inputs."""
+
+    saved_tensors: int
+    saved_inputs: int
+    saved_bytes: int
+    recomputed_in_backward: int
+    primals: int
+
+    def asdict(self) -> dict:
+        """The report as ``loracc dump`` prints it (its keys are words, as they always were)."""
+        return {
+            "saved tensors": self.saved_tensors,
+            "saved inputs": self.saved_inputs,
+            "saved bytes": self.saved_bytes,
+            "recomputed in backward": self.recomputed_in_backward,
+            "primals": self.primals,
+        }
 
 
 def is_random(node: fx.Node) -> bool:
@@ -62,13 +86,13 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> PassResult:
     result = split(joint, n_outputs, saved)
     for gm in (result.forward, result.backward):
         _drop_detaches(gm)
-    report = {
-        "saved tensors": len([s for s in saved if s.op != "placeholder"]),
-        "saved inputs": len([s for s in saved if s.op == "placeholder"]),
-        "saved bytes": result.saved_bytes,
-        "recomputed in backward": len(result.recomputed),
-        "primals": len([p for p in placeholders(joint) if info(p).get("role") != "tangent"]),
-    }
+    report = PartitionReport(
+        saved_tensors=len([s for s in saved if s.op != "placeholder"]),
+        saved_inputs=len([s for s in saved if s.op == "placeholder"]),
+        saved_bytes=result.saved_bytes,
+        recomputed_in_backward=len(result.recomputed),
+        primals=len([p for p in placeholders(joint) if info(p).get("role") != "tangent"]),
+    )
     return PassResult(result, report)
 
 

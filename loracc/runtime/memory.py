@@ -1,20 +1,74 @@
 """Step memory: what a training step holds across steps, and its predicted peak before it runs.
 
 ``persistent_bytes`` counts what lives across steps (weights, buffers, LoRA gradients, AdamW's
-state); ``predicted_peak_bytes`` adds each compiled region's plan (``passes.memory_plan``) and what
-the CUDA graphs keep (``cuda_graph_bytes``): ``loracc.explain`` reports it, and a byte
-``memory_budget`` plans against it.
+state). ``StepMemory`` owns the rest of the step's memory: from the persistent bytes and the
+compiled regions (each region's latest program, whose ``MemoryPlanReport`` it reads, and how many
+times a step runs it) it answers the two questions asked of step memory: the predicted peak
+(``StepMemory.predicted_peak_bytes``: ``loracc.explain`` reports it) and what the rest of the step
+holds while a region runs (``StepMemory.reserved_bytes``: a region's byte ``memory_budget`` plans
+against it). Graphs replayed as CUDA graphs add what they keep (``cuda_graph_bytes``).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
-from ..passes.memory_plan import RegionMemory, step_peak_bytes
+from ..passes.memory_plan import MemoryPlanReport, step_peak_bytes
 from ..pipeline import Program
 from .cuda_graphs import Replayer, routes
+
+if TYPE_CHECKING:
+    from .region import Region
+
+
+class StepMemory:
+    """The memory of a training step that runs ``regions``, over ``persistent_bytes``.
+
+    Takes the model's regions (a live view: each question reads every region's latest program and
+    repeats at the time it is asked, so regions added or compiled later count), the persistent bytes,
+    and ``head_vocab``, the vocabulary of a fused causal-LM head (None: no such head), for the
+    head's estimate before it is compiled. Only regions with a compiled program count; a region's
+    program counts ``repeats`` times (a block region: once per layer). Reads the programs'
+    ``MemoryPlanReport`` and nothing else of their reports; changes nothing.
+    """
+
+    def __init__(self, regions: Sequence[Region], persistent_bytes: int, head_vocab: int | None = None):
+        self.regions = regions
+        self.persistent_bytes = persistent_bytes
+        self.head_vocab = head_vocab
+
+    def runs(self, excluding: Region | None = None) -> list[tuple[Program, int]]:
+        """Each compiled region's latest program with its repeats, in region order, but ``excluding``'s."""
+        return [(r.latest, r.repeats) for r in self.regions if r is not excluding and r.latest is not None]
+
+    def predicted_peak_bytes(self) -> int | None:
+        """The predicted peak of one training step (``predicted_peak_bytes``); None until a region
+        has compiled a program."""
+        runs = self.runs()
+        return predicted_peak_bytes(runs, self.persistent_bytes) if runs else None
+
+    def reserved_bytes(self, region: Region, tensors: list) -> int:
+        """What the rest of the step holds while ``region`` runs its call of ``tensors`` (its byte
+        budget's reserve, ``passes.remat``): the persistent bytes, what the other compiled regions
+        save for the backward (times their repeats), and, for a block while the head is not compiled
+        yet (blocks compile first), an estimate of the fused head's share from the block's input
+        ``tensors[0]`` (the hidden state): its saved hidden state and hidden gradient, and one loss
+        chunk's temporaries (counted on top of the block's own workspace, although the two never
+        coexist: conservative). The head then plans against the exact bytes. Never less than
+        ``persistent_bytes``."""
+        held = self.persistent_bytes + sum(_memory(p).forward.saved_bytes * repeats for p, repeats in self.runs(region))
+        head = next((r for r in self.regions if r.kind == "head"), None)
+        if region.kind == "block" and head is not None and head.latest is None and tensors and self.head_vocab:
+            hidden = tensors[0]
+            rows = hidden.numel() // hidden.shape[-1]
+            held += 2 * hidden.numel() * hidden.element_size() + cross_entropy.workspace_bytes(
+                self.head_vocab, cross_entropy.chunk_rows_for(self.head_vocab, rows), hidden.dtype)
+        return held
 
 
 def persistent_bytes(model: nn.Module) -> int:
@@ -51,28 +105,23 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
             for v, kind in zip(copied, kinds):
                 buffers[kind] = (value_bytes(v), max(buffers.get(kind, (0, 0))[1], kinds.count(kind)))
             held += kept * (repeats if fn.fixed_inputs else 1)
-            workspace = max(workspace, program.reports["memory_plan"][stage]["peak_bytes"] - sum(outs))
+            workspace = max(workspace, getattr(_memory(program), stage).peak_bytes - sum(outs))
     return held + sum(size * count for size, count in buffers.values()) + workspace
 
 
 def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:
-    """The predicted peak memory of one training step, before it runs.
+    """The predicted peak memory of one training step, before it runs (what
+    ``StepMemory.predicted_peak_bytes`` answers for a model's regions; tests and benchmarks pass
+    ``runs`` of their own).
 
     ``runs``: each compiled region's program with how many times a step runs it (a block region: its
     number of layers); ``persistent_bytes``: what lives across steps (weights, buffers, LoRA
     gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``. Programs replayed as CUDA
     graphs (or still to decide, with ``cuda_graphs="auto"``) add ``cuda_graph_bytes``.
     """
-    regions = []
-    for program, repeats in runs:
-        memory = program.reports["memory_plan"]
-        regions.append(RegionMemory(
-            repeats=repeats,
-            saved_bytes=memory["forward"]["saved_bytes"],
-            saved_input_bytes=memory["forward"]["saved_input_bytes"],
-            forward_peak_bytes=memory["forward"]["peak_bytes"],
-            backward_peak_bytes=memory["backward"]["peak_bytes"],
-            tangent_bytes=memory["tangent_bytes"],
-        ))
+    regions = [_memory(program).region(repeats) for program, repeats in runs]
     return step_peak_bytes(regions, persistent_bytes) + cuda_graph_bytes(runs)
 
+
+def _memory(program: Program) -> MemoryPlanReport:
+    return program.reports["memory_plan"]

@@ -120,7 +120,7 @@ def dump_program(program, title: str, out_dir: Path | None = None) -> str:
     parts = []
     for stage, gm in program.stages.items():
         parts.append(graph_text(gm, f"{title} — after {stage}"))
-        report = program.reports.get(stage)
+        report = _plain(program.reports.get(stage))
         if report:
             parts.append(f"# {stage} report: {json.dumps(report, default=str)}")
         if out_dir is not None:
@@ -128,10 +128,15 @@ def dump_program(program, title: str, out_dir: Path | None = None) -> str:
             (out_dir / f"{stage}.dot").write_text(graph_dot(gm, f"{title} {stage}"))
             (out_dir / f"{stage}.json").write_text(json.dumps(
                 {"region": title, "stage": stage, "report": report, "nodes": graph_json(gm)}, indent=1, default=str))
-    extra = {k: v for k, v in program.reports.items() if k not in program.stages}
+    extra = {k: _plain(v) for k, v in program.reports.items() if k not in program.stages}
     for name, report in extra.items():
         parts.append(f"# {name} report: {json.dumps(report, default=str)}")
     return "\n\n".join(parts)
+
+
+def _plain(report):
+    """A pass's report as JSON-ready data: a typed report's ``asdict()``, a dict as it is."""
+    return report.asdict() if hasattr(report, "asdict") else report
 
 
 def live_bytes(gm: fx.GraphModule, held: int = 0) -> list[int]:
@@ -157,7 +162,7 @@ def memory_timeline(program, repeats: int = 1) -> dict[str, list[int]]:
     kept = sum(node_bytes(n) for n in nodes[:split]
                if n.op == "call_function" and any(info(u).get("phase") == "backward" for u in n.users))
     joint_curve = live_bytes(joint)
-    saved = program.reports["memory_plan"]["forward"]["saved_bytes"]
+    saved = program.reports["memory_plan"].forward.saved_bytes
     forward, backward = live_bytes(program.stages["forward"]), live_bytes(program.stages["backward"])
     return {
         "before": _step(joint_curve[:split], [b - kept for b in joint_curve[split:]], kept, repeats),

@@ -11,7 +11,7 @@ from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
 from ..quant import base_formats
 from ..runtime.cuda_graphs import Replayer
 from ..runtime.sized_graphs import SizedGraphs
-from ..runtime.memory import predicted_peak_bytes
+from ..runtime.memory import StepMemory
 from .dump import format_bytes
 
 
@@ -127,7 +127,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             name=region.name, kind=region.kind, modules=len(region.modules), captures=region.captures,
             calls=region.calls, recompiles=list(region.recompile_reasons), compile_seconds=region.compile_seconds,
             lora_layers_matched=len(layers), unmatched_lora=match.get("unmatched", {}),
-            saved_bytes=program.reports["partition"]["saved bytes"] if program else None,
+            saved_bytes=program.reports["partition"].saved_bytes if program else None,
             fallbacks=list(region.fallbacks),
             fused_groups=sum(r.get("groups", 0) for r in program.reports.get("fusion", {}).values()) if program else 0,
             loss=_loss(program) if program and region.kind == "head" else None,
@@ -138,12 +138,11 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
         eager.append("everything outside the repeated blocks")
-    runs = [(r.latest, r.repeats) for r in state.regions if r.latest is not None]
     return Report(
         regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
         trainable_params=state.trainable_params, frozen_params=state.frozen_params,
         backend=state.backend.name, eager_parts=eager, base_formats=base_formats(model),
-        predicted_peak_bytes=predicted_peak_bytes(runs, state.persistent_bytes) if runs else None,
+        predicted_peak_bytes=StepMemory(state.regions, state.persistent_bytes).predicted_peak_bytes(),
     )
 
 
