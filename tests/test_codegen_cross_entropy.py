@@ -75,3 +75,47 @@ def test_a_label_outside_the_vocabulary_gives_a_nan_loss_not_a_stray_read():
     labels[4] = 3
     loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, labels, (labels != -100).sum(), -100, 4)
     assert loss.isfinite()
+
+
+@pytest.mark.parametrize("scale, softcap", [(0.25, None), (1.0, 3.0), (2.0, 30.0), (0.5, 1.5)])
+@pytest.mark.parametrize("chunk_rows", [5, 64])
+def test_kernel_applies_a_logit_scale_and_softcap(scale, softcap, chunk_rows, monkeypatch):
+    """fp32: the kernel against the reference op and PyTorch's loss over ``c·tanh(s·z/c)``; logits of
+    several units, so the cap saturates some, and some near 0 (the series branch of its tanh)."""
+    n, h, v = 37, 24, 151
+    hidden = torch.randn(n, h, device=DEVICE)
+    weight = torch.randn(v, h, device=DEVICE)
+    weight[:7] *= 1e-4
+    labels = torch.randint(0, v, (n,), device=DEVICE)
+    labels[::4] = -100
+    labels[1] = 3  # a label whose logit is near 0
+    count = (labels != -100).sum()
+    poisoned = torch.full((n, h), float("nan"), device=DEVICE)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned if t.shape == (n, h) else torch.zeros_like(t, **kw))
+    loss, grad_hidden = cross_entropy.linear_cross_entropy(hidden, weight, labels, count, -100, chunk_rows,
+                                                           scale=scale, softcap=softcap)
+    monkeypatch.undo()
+    assert grad_hidden is poisoned and not grad_hidden.isnan().any()
+    ref_loss, ref_grad = reference.linear_cross_entropy(hidden, weight, labels, count, -100, chunk_rows,
+                                                        scale=scale, softcap=softcap)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert rel_err(grad_hidden, ref_grad) <= 1e-5
+    h32 = hidden.clone().requires_grad_(True)
+    logits = scale * (h32 @ weight.t())
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    want = F.cross_entropy(logits, labels, ignore_index=-100)
+    want.backward()
+    assert rel_err(loss, want.detach()) <= 1e-5
+    assert rel_err(grad_hidden, h32.grad) <= 1e-5
+    assert grad_hidden[0].abs().max() == 0 and grad_hidden[4].abs().max() == 0  # ignored rows
+
+
+def test_kernel_source_fixes_the_logit_transform():
+    plain = cross_entropy.source(151, torch.float32, -100)
+    assert plain[0] == "cross_entropy_rows_v151_fp32" and "_tanh" not in plain[1]
+    name, text = cross_entropy.source(151, torch.float32, -100, scale=0.25, softcap=30.0)
+    assert name == "cross_entropy_rows_v151_fp32_scaled_softcapped"
+    assert "z = z * 0.25" in text and "z = 30.0 * _tanh(z / 30.0)" in text
+    with pytest.raises(ValueError, match="softcap"):
+        cross_entropy.source(151, torch.float32, -100, softcap=-1.0)

@@ -107,3 +107,72 @@ def test_scaled_loss_gradient_does_not_overflow_the_hidden_dtype():
                                                  torch.tensor(9), -100, 4)
     (loss * 65536.0).backward()  # a loss scaler's factor, larger than fp16's largest value
     assert torch.isfinite(hidden.grad).all()
+
+
+def _transformed_reference(hidden, weight, labels, scale, softcap):
+    """PyTorch's own loss over the logits a Granite / Cohere (scale) or Gemma (softcap) model computes."""
+    logits = scale * (hidden @ weight.t()).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=-100)
+
+
+@pytest.mark.parametrize("scale, softcap", [(0.125, None), (3.0, None), (1.0, 2.0), (0.5, 1.5)])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_a_logit_scale_and_softcap_match_pytorch(scale, softcap, chunk_rows):
+    n, h, v = 37, 24, 53
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h)  # logits of a few units: the soft-cap saturates some of them
+    labels = torch.randint(0, v, (n,))
+    labels[::5] = -100
+    count = (labels != -100).sum()
+    loss, grad_hidden = cross_entropy.linear_cross_entropy(hidden, weight, labels, count, -100, chunk_rows,
+                                                           scale=scale, softcap=softcap)
+    upstream = torch.rand(())
+    (loss * upstream).backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    want = _transformed_reference(hidden, weight, labels, scale, softcap)
+    (want * upstream).backward()
+    assert rel_err(loss.detach(), want.detach()) <= 1e-5
+    assert rel_err(grad, hidden.grad) <= 1e-5
+    assert rel_err(grad_hidden, hidden.grad / upstream) <= 1e-5
+    plain = _transformed_reference(hidden, weight, labels, 1.0, None)
+    assert rel_err(plain.detach(), want.detach()) > 1e-2  # the transform is not a no-op here
+
+
+def test_the_weight_gets_no_gradient_with_a_scale_either():
+    """The projection is frozen: a weight that requires grad is refused, transform or not."""
+    hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    loss, _ = cross_entropy.linear_cross_entropy(hidden, weight, torch.randint(0, 11, (5,)), torch.tensor(5), -100, 2,
+                                                 scale=0.5, softcap=3.0)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"scale": float("inf")}, "scale must be a finite nonzero number"),
+    ({"scale": 0.0}, "scale must be a finite nonzero number"),
+    ({"softcap": 0.0}, "softcap must be None or a finite positive number"),
+    ({"softcap": float("nan")}, "softcap must be None or a finite positive number"),
+])
+def test_a_bad_scale_or_softcap_names_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cross_entropy.linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.int64),
+                                           torch.tensor(3), -100, 2, **kwargs)
+
+
+def test_a_traced_call_keeps_scale_and_softcap_as_keyword_arguments():
+    """Passes and the memory plan read the op's six positional arguments; the transform is in kwargs,
+    and a call without one records none."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(hidden, weight, labels, count):
+        a, _ = cross_entropy.linear_cross_entropy(hidden, weight, labels, count, -100, 4, scale=0.5, softcap=3.0)
+        b, _ = cross_entropy.linear_cross_entropy(hidden, weight, labels, count, -100, 4)
+        return a + b
+
+    gm = make_fx(f)(torch.randn(6, 4), torch.randn(9, 4), torch.randint(0, 9, (6,)), torch.tensor(6))
+    calls = [n for n in gm.graph.nodes if n.target is cross_entropy.LINEAR_CROSS_ENTROPY]
+    assert [len(n.args) for n in calls] == [6, 6]
+    assert [dict(n.kwargs) for n in calls] == [{"scale": 0.5, "softcap": 3.0}, {}]

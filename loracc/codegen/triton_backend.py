@@ -108,7 +108,8 @@ class TritonBackend:
                 reason = cross_entropy.unsupported(hidden, weight, labels)
                 if reason is None:
                     node.target = cross_entropy.linear_cross_entropy
-                    ahead.append(functools.partial(cross_entropy.warmup, weight, labels, node.args[4], self.device))
+                    ahead.append(functools.partial(cross_entropy.warmup, weight, labels, node.args[4], self.device,
+                                                   **node.kwargs))
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
                                     "runs": "generated kernel (chunked softmax)" if reason is None else f"reference op: {reason}"})
                 continue

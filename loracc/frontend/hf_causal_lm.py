@@ -3,12 +3,18 @@
 ``causal_lm`` finds a ``*ForCausalLM`` whose forward the head region reproduces; ``HeadForward``
 becomes its ``forward`` in training with labels: the decoder (its blocks compiled), then the head
 region, whose loss is ``loracc::linear_cross_entropy`` where the model's is Hugging Face's plain
-causal-LM cross-entropy (logits never whole).
+causal-LM cross-entropy (logits never whole). What a model's forward does to its logits between
+``lm_head`` and the loss, where it is one of the statements ``LogitTransform`` recognises (a logit
+multiplier or divisor, Gemma's final soft-cap), the head region does too: inside the fused loss,
+or on the logits it returns.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import dis
 import inspect
+import math
 import warnings
 
 import torch
@@ -30,11 +36,16 @@ def causal_lm(model: nn.Module):
             and isinstance(getattr(decoder, "norm", None), nn.Module)
             and hasattr(module, "loss_function")
         ):
-            extra = _head_extras(module)
+            transform, extra = head_recipe(module)
             if extra:
                 warnings.warn(
                     f"loracc: {type(module).__name__}'s forward also uses {', '.join(extra)} besides the final norm, "
                     "lm_head and loss: its head runs eagerly (the decoder layers are compiled)", stacklevel=4)
+                return None
+            _, reason = transform.values(module)
+            if reason is not None:
+                warnings.warn(f"loracc: {type(module).__name__}'s {reason}: its head runs eagerly (the decoder "
+                              "layers are compiled)", stacklevel=4)
                 return None
             return module, decoder
     return None
@@ -43,7 +54,8 @@ def causal_lm(model: nn.Module):
 # What a causal LM's forward may read for the head region to compute what it computes: the decoder,
 # lm_head and loss_function, and the output plumbing (Llama's forward reads exactly these); a
 # mixture-of-experts model's load-balancing loss, added only with output_router_logits (checked per
-# call). Anything else (a logit scale or soft-cap, a z-loss) is computed by the model's own forward.
+# call). A logit multiplier or soft-cap is reproduced where ``LogitTransform`` recognises its
+# statements; anything else (a z-loss, another transform) is computed by the model's own forward.
 HEAD_NAMES = {
     "CausalLMOutputWithPast", "attentions", "cache", "config", "hidden_states", "last_hidden_state", "lm_head",
     "loss_function", "model", "slice_logits_to_keep", "vocab_size",
@@ -52,33 +64,195 @@ HEAD_NAMES = {
     "output_router_logits", "router_aux_loss_coef", "router_logits",
 }
 
+# The multipliers: name → what the forward reads it from ("self": the module, "config": self.config).
+SCALE_NAMES = {"logit_scale": "self", "logits_scaling": "config"}
+SOFTCAP = "final_logit_softcapping"
 
-def _head_extras(lm: nn.Module) -> list[str]:
-    """The names ``lm``'s forward reads that the head region does not reproduce."""
+
+@dataclasses.dataclass(frozen=True)
+class LogitTransform:
+    """What a causal LM's forward does between its final hidden states and the loss, besides
+    ``lm_head``: at most one multiplier and Gemma's final soft-cap, in the forward's order.
+
+    ``scale``: the attribute read (``logit_scale`` of the module, as Cohere's forward reads it, or
+    ``logits_scaling`` of its config, as Granite's and MiniCPM3's do), ``scale_op`` ``"*"`` or
+    ``"/"``, ``scale_on`` ``"logits"`` (after ``lm_head``) or ``"hidden"`` (on the hidden states
+    before it, as MiniCPM3 divides them). ``softcap``: ``config.final_logit_softcapping`` is read,
+    and where it is not None the logits become ``c·tanh(logits/c)`` after the multiplier;
+    ``softcap_fp32``: the logits are upcast to fp32 first (Beam).
+    """
+
+    scale: str | None = None
+    scale_op: str = "*"
+    scale_on: str = "logits"
+    softcap: bool = False
+    softcap_fp32: bool = False
+
+    def values(self, lm: nn.Module) -> tuple[dict, str | None]:
+        """``({"logit_scaling": v, "softcap": c}, None)``, holding only the values the model's
+        forward uses now, or ``({}, reason)`` where one is not a number the head can apply."""
+        found = {}
+        if self.scale is not None:
+            owner = lm if SCALE_NAMES[self.scale] == "self" else lm.config
+            value = getattr(owner, self.scale, None)
+            if not _finite_number(value) or value == 0:
+                return {}, f"{self.scale} is {value!r}, not a finite nonzero number"
+            found["logit_scaling"] = float(value)
+        if self.softcap:
+            value = getattr(lm.config, SOFTCAP, None)
+            if value is not None:
+                if not _finite_number(value) or value <= 0:
+                    return {}, f"{SOFTCAP} is {value!r}, not None or a finite positive number"
+                found["softcap"] = float(value)
+        return found, None
+
+    def on_hidden(self, hidden, logit_scaling):
+        """The hidden states as ``lm_head`` receives them."""
+        if self.scale is not None and self.scale_on == "hidden":
+            return hidden * logit_scaling if self.scale_op == "*" else hidden / logit_scaling
+        return hidden
+
+    def on_logits(self, logits, logit_scaling, softcap):
+        """``lm_head``'s logits as the model's loss receives them (its own statements, in its order)."""
+        if self.scale is not None and self.scale_on == "logits":
+            logits = logits * logit_scaling if self.scale_op == "*" else logits / logit_scaling
+        if softcap is not None:
+            logits = (logits.float() if self.softcap_fp32 else logits) / softcap
+            logits = torch.tanh(logits)
+            logits = logits * softcap
+        return logits
+
+    def fused_scale(self, logit_scaling) -> float:
+        """The multiplier ``loracc::linear_cross_entropy`` applies to ``lm_head``'s logits."""
+        if self.scale is None or self.scale_on != "logits":
+            return 1.0
+        return logit_scaling if self.scale_op == "*" else 1.0 / logit_scaling
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def head_recipe(lm: nn.Module) -> tuple[LogitTransform, list[str]]:
+    """The logit transform ``lm``'s forward applies, and the names it reads that the head region
+    does not reproduce (empty: the head region computes what the forward computes)."""
     forward = inspect.unwrap(type(lm).forward)
     code = getattr(forward, "__code__", None)
-    return ["its code unknown"] if code is None else sorted(set(code.co_names) - HEAD_NAMES)
+    if code is None:
+        return LogitTransform(), ["its code unknown"]
+    extra = set(code.co_names) - HEAD_NAMES
+    if not extra & (set(SCALE_NAMES) | {SOFTCAP}):
+        return LogitTransform(), sorted(extra)
+    transform, handled = _read_logit_transform(forward)
+    return transform, sorted(extra - handled)
+
+
+def _read_logit_transform(forward) -> tuple[LogitTransform, set[str]]:
+    """The logit transform in ``forward``'s bytecode and the names it accounts for. Only the
+    statements the models write are recognised; a name used any other way is not accounted for
+    (and keeps the model's own head):
+
+        logits = logits * self.logit_scale            (Cohere; HyperCLOVAX: lm_head(h) * config.logits_scaling)
+        logits = logits / self.config.logits_scaling  (Granite)
+        hidden_states = hidden_states / self.config.logits_scaling   (MiniCPM3, before lm_head)
+        if self.config.final_logit_softcapping is not None:          (Gemma; Beam upcasts first)
+            logits = logits[.float()] / self.config.final_logit_softcapping
+            logits = torch.tanh(logits)
+            logits = logits * self.config.final_logit_softcapping
+    """
+    ins = [i for i in dis.get_instructions(forward) if i.opname not in ("CACHE", "PRECALL", "NOP", "EXTENDED_ARG")]
+    head = [k for k, i in enumerate(ins) if _loads_attr(i, "lm_head")]
+    if len(head) != 1:
+        return LogitTransform(), set()
+    head = head[0]
+    fields, handled, scale_at = {}, set(), None
+    for name, owner in SCALE_NAMES.items():
+        at = [k for k, i in enumerate(ins) if _loads_attr(i, name)]
+        if not at:
+            continue
+        k = at[0]
+        op, target = _binary_op(ins, k + 1), _stores(ins, k + 2)
+        on = "hidden" if target == "hidden_states" else "logits" if target == "logits" else None
+        if (len(at) != 1 or "scale" in fields or not _reads_from(ins, k, owner) or op is None or on is None
+                or (on == "hidden") != (k < head)):
+            continue
+        fields.update(scale=name, scale_op=op, scale_on=on)
+        handled.add(name)
+        scale_at = k
+    at = [k for k, i in enumerate(ins) if _loads_attr(i, SOFTCAP)]
+    if len(at) == 3 and all(_reads_from(ins, k, "config") for k in at) and at[0] > head:
+        check, divide, multiply = at
+        tanh = [k for k, i in enumerate(ins) if _loads_attr(i, "tanh")]
+        torch_ = [k for k, i in enumerate(ins) if i.opname == "LOAD_GLOBAL" and i.argval == "torch"]
+        upcast = [k for k, i in enumerate(ins) if _loads_attr(i, "float")]
+        if (
+            "IF_NONE" in ins[check + 1].opname and ins[check + 1].argval > multiply
+            and _binary_op(ins, divide + 1) == "/" and _stores(ins, divide + 2) == "logits"
+            and _binary_op(ins, multiply + 1) == "*" and _stores(ins, multiply + 2) == "logits"
+            and len(tanh) == 1 and divide < tanh[0] < multiply and torch_ == [tanh[0] - 1]
+            and all(check < k < divide and ins[k - 1].argval == "logits" for k in upcast)
+            and len(upcast) <= 1 and (scale_at is None or scale_at < check)
+        ):
+            fields.update(softcap=True, softcap_fp32=bool(upcast))
+            handled |= {SOFTCAP, "tanh", "torch"} | ({"float"} if upcast else set())
+    return LogitTransform(**fields), handled
+
+
+def _loads_attr(instruction, name: str) -> bool:
+    return instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == name
+
+
+def _reads_from(ins, k: int, owner: str) -> bool:
+    """Whether the attribute loaded at ``k`` is read from ``self`` (owner "self") or ``self.config``."""
+    if owner == "config":
+        return k >= 2 and _loads_attr(ins[k - 1], "config") and _loads_self(ins[k - 2])
+    return k >= 1 and _loads_self(ins[k - 1])
+
+
+def _loads_self(instruction) -> bool:
+    value = instruction.argval
+    return instruction.opname.startswith("LOAD_FAST") and (value == "self" or (isinstance(value, tuple) and value[-1] == "self"))
+
+
+def _binary_op(ins, k: int) -> str | None:
+    """``"*"`` or ``"/"`` for a multiplication or true division at ``k``, else None."""
+    if k >= len(ins):
+        return None
+    i = ins[k]
+    if i.opname == "BINARY_OP":
+        return {"*": "*", "*=": "*", "/": "/", "/=": "/"}.get(i.argrepr)
+    return {"BINARY_MULTIPLY": "*", "INPLACE_MULTIPLY": "*", "BINARY_TRUE_DIVIDE": "/", "INPLACE_TRUE_DIVIDE": "/"}.get(i.opname)
+
+
+def _stores(ins, k: int) -> str | None:
+    """The local variable stored at ``k``, else None."""
+    return ins[k].argval if k < len(ins) and ins[k].opname == "STORE_FAST" else None
 
 
 class _Head(nn.Module):
     """Final norm + vocabulary projection + the model's loss, as one traceable call.
 
     With Hugging Face's causal-LM loss over a frozen bias-free projection (``fused``), the
-    projection and the loss are one ``loracc::linear_cross_entropy``: logits are never whole, and
-    the call returns no logits. Otherwise the model's own ``lm_head`` and ``loss_function`` run.
+    projection and the loss are one ``loracc::linear_cross_entropy``, which applies the model's
+    logit multiplier and soft-cap itself: logits are never whole, and the call returns no logits.
+    Otherwise the model's own ``lm_head`` and ``loss_function`` run, with its ``transform`` between
+    them, and the call returns the logits the model's loss receives (scaled and capped).
+    ``logit_scaling`` and ``softcap`` are the values ``transform.values`` read from the model; they
+    are arguments, so a call with other values is another program.
     """
 
     IGNORE_INDEX = -100
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function, vocab_size: int, fused: bool):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function, vocab_size: int, fused: bool,
+                 transform: LogitTransform = LogitTransform()):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
-        self.loss_function, self.vocab_size, self.fused = loss_function, vocab_size, fused
+        self.loss_function, self.vocab_size, self.fused, self.transform = loss_function, vocab_size, fused, transform
 
-    def forward(self, hidden_states, labels, num_items_in_batch=None):
-        hidden = self.norm(hidden_states)
+    def forward(self, hidden_states, labels, num_items_in_batch=None, logit_scaling=None, softcap=None):
+        hidden = self.transform.on_hidden(self.norm(hidden_states), logit_scaling)
         if not self._fuses(hidden):
-            return self._projection_and_loss(hidden, labels, num_items_in_batch)
+            return self._projection_and_loss(hidden, labels, num_items_in_batch, logit_scaling, softcap)
         device = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         # Hugging Face's ForCausalLMLoss: tokens < n predict n; the mean over counted tokens, or the
@@ -90,23 +264,27 @@ class _Head(nn.Module):
         if torch.is_autocast_enabled(device):  # as autocast runs the eager lm_head
             flat, weight = flat.to(compute_dtype), weight.to(compute_dtype)
         count = num_items_in_batch if num_items_in_batch is not None else (targets != self.IGNORE_INDEX).sum()
+        scale = self.transform.fused_scale(logit_scaling)
+        logit_args = {"scale": scale} if scale != 1.0 else {}
+        if softcap is not None:
+            logit_args["softcap"] = softcap
         loss, _ = cross_entropy.linear_cross_entropy(
             flat, weight, targets, count, self.IGNORE_INDEX,
-            cross_entropy.chunk_rows_for(self.vocab_size, flat.shape[0]),
+            cross_entropy.chunk_rows_for(self.vocab_size, flat.shape[0]), **logit_args,
         )
         return loss, None
 
-    def _projection_and_loss(self, hidden, labels, num_items_in_batch):
-        logits = self.lm_head(hidden)
+    def _projection_and_loss(self, hidden, labels, num_items_in_batch, logit_scaling, softcap):
+        logits = self.transform.on_logits(self.lm_head(hidden), logit_scaling, softcap)
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
                                   num_items_in_batch=num_items_in_batch)
         return loss, logits
 
-    def reference(self, hidden_states, labels, num_items_in_batch=None):
+    def reference(self, hidden_states, labels, num_items_in_batch=None, logit_scaling=None, softcap=None):
         """What ``forward`` computes, the model's own way (its ``lm_head`` and ``loss_function``,
         logits whole), returned as ``forward`` returns it: verification mode's reference."""
-        hidden = self.norm(hidden_states)
-        loss, logits = self._projection_and_loss(hidden, labels, num_items_in_batch)
+        hidden = self.transform.on_hidden(self.norm(hidden_states), logit_scaling)
+        loss, logits = self._projection_and_loss(hidden, labels, num_items_in_batch, logit_scaling, softcap)
         return (loss, None) if self._fuses(hidden) else (loss, logits)
 
     def _fuses(self, hidden) -> bool:
@@ -119,12 +297,12 @@ class _Head(nn.Module):
 
 
 def _fusable_loss(lm: nn.Module) -> bool:
-    """True where the head's projection + loss are Hugging Face's plain causal-LM cross-entropy."""
+    """True where the head's projection + loss are Hugging Face's plain causal-LM cross-entropy
+    (after the model's logit transform, which the fused op applies)."""
     head = lm.lm_head
     return (
         getattr(lm.loss_function, "__name__", "") == "ForCausalLMLoss"
         and type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
-        and getattr(lm.config, "final_logit_softcapping", None) is None
     )
 
 
@@ -136,7 +314,12 @@ class HeadForward(CompiledForward):
 
     def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module):
         self.region, self.lm, self.decoder = region, lm, decoder
-        self.head = _Head(decoder.norm, lm.lm_head, lm.loss_function, lm.config.vocab_size, _fusable_loss(lm))
+        self.transform, _ = head_recipe(lm)
+        # The final norm joins the head region where the decoder reads it once (its last call);
+        # one that calls it more often (NanoChat's norm also runs before the layers) keeps it.
+        self.defers_norm = _reads_once(decoder, "norm")
+        self.head = _Head(decoder.norm if self.defers_norm else nn.Identity(), lm.lm_head, lm.loss_function,
+                          lm.config.vocab_size, _fusable_loss(lm), self.transform)
 
     @property
     def __signature__(self):
@@ -164,9 +347,13 @@ class HeadForward(CompiledForward):
             # into it, the fused loss reads the projection's weight): their hooks need the eager head.
             self.region._fall_back("norm+lm_head+loss", "the final norm or lm_head has hooks")
             return eager(*args, **kwargs)
+        logit_values, reason = self.transform.values(lm)
+        if reason is not None:
+            self.region._fall_back("norm+lm_head+loss", reason)
+            return eager(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        with _deferred(decoder.norm):
+        with _deferred(decoder.norm) if self.defers_norm else contextlib.nullcontext():
             outputs = decoder(
                 input_ids=call.get("input_ids"), attention_mask=call.get("attention_mask"),
                 position_ids=call.get("position_ids"), inputs_embeds=call.get("inputs_embeds"), use_cache=False,
@@ -176,10 +363,19 @@ class HeadForward(CompiledForward):
             items = torch.tensor(items, device=labels.device)
         head = self.head
         head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
+        head_kwargs = {"num_items_in_batch": items} if items is not None else {}
         loss, logits = self.region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
-                                       {"num_items_in_batch": items} if items is not None else {},
-                                       reference=head.reference)
+                                       {**head_kwargs, **logit_values}, reference=head.reference)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _reads_once(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward reads ``self.<name>`` exactly once (False where its code is unknown)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    if code is None:
+        return False
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PRECALL", "NOP", "EXTENDED_ARG")]
+    return sum(1 for k, i in enumerate(ins) if k and _loads_attr(i, name) and _loads_self(ins[k - 1])) == 1
 
 
 def _is_default(key: str, value) -> bool:
