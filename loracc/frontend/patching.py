@@ -62,10 +62,16 @@ def patch_use_cache(state: CompiledState, owner: nn.Module) -> None:
 class _NoCacheInTraining(CompiledForward):
     """A decoder's ``forward`` in training: ``use_cache=False`` unless the caller asks, so that its
     layers get no KV cache (a cache is state the compiled graphs cannot update) — except for a call
-    whose numbers the cache changes (``cache_changes_the_mask``): that call runs eagerly."""
+    whose numbers the cache changes (``cache_changes_the_mask``): that call runs eagerly.
+
+    A decoder that calls one of its layers more than once in a forward (recurrent depth: a later
+    pass may read the keys an earlier one cached) is not given ``use_cache=False`` when its config
+    turns the cache on: the first training call counts the layers' calls, and a decoder found to
+    repeat them runs eagerly from then on, with a warning (the first call is run again, eagerly)."""
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self.repeats_layers: bool | None = None  # None until the first training call with the cache on
 
     def __call__(self, *args, **kwargs):
         forward = type(self.module).forward
@@ -74,6 +80,30 @@ class _NoCacheInTraining(CompiledForward):
             if call is not None and call.get("use_cache") is not None:
                 return forward(self.module, *args, **kwargs)  # passed positionally: the caller asked
             if call is not None and cache_changes_the_mask(self.module, call):
+                with all_eager():
+                    return forward(self.module, *args, **kwargs)
+            cache_on = bool(getattr(getattr(self.module, "config", None), "use_cache", False))
+            if cache_on and self.repeats_layers:
+                with all_eager():
+                    return forward(self.module, *args, **kwargs)
+            if cache_on and self.repeats_layers is None:
+                calls: dict = {}
+                token = LAYER_CALLS.set(calls)
+                try:
+                    outputs = forward(self.module, *args, **{**kwargs, "use_cache": False})
+                finally:
+                    LAYER_CALLS.reset(token)
+                self.repeats_layers = any(n > 1 for n in calls.values())
+                if not self.repeats_layers:
+                    return outputs
+                del outputs
+                warnings.warn(
+                    f"loracc: {type(self.module).__name__} calls its layers more than once per forward with "
+                    "its config's use_cache=True: a later pass may read what an earlier one cached, which "
+                    "loracc's graphs (run without a cache) would not. It runs eagerly; pass use_cache=False "
+                    "(or set model.config.use_cache=False) if the model is meant to train without a cache",
+                    stacklevel=2,
+                )
                 with all_eager():
                     return forward(self.module, *args, **kwargs)
             kwargs["use_cache"] = False
@@ -85,6 +115,8 @@ class _NoCacheInTraining(CompiledForward):
 
 
 EAGER = contextvars.ContextVar("loracc_eager", default=False)
+# While a decoder's first training call runs: each compiled layer's calls, by id (see _NoCacheInTraining).
+LAYER_CALLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("loracc_layer_calls", default=None)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from ..ir.graph import param_role
 from ..runtime.memory import StepMemory
 from ..runtime.region import Region
 from .hf_causal_lm import HeadForward, causal_lm
-from .patching import EAGER, CompiledForward, eager_signature, patch, patch_use_cache
+from .patching import EAGER, LAYER_CALLS, CompiledForward, eager_signature, patch, patch_use_cache
 
 
 @dataclass
@@ -125,6 +125,9 @@ class _BlockForward(CompiledForward):
 
     def __call__(self, *args, **kwargs):
         eager = type(self.module).forward.__get__(self.module)
+        calls = LAYER_CALLS.get()
+        if calls is not None:
+            calls[id(self.module)] = calls.get(id(self.module), 0) + 1
         if EAGER.get():
             return eager(*args, **kwargs)
         if tuple(map(len, self.hooks)) != self.hook_counts:
