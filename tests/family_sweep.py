@@ -129,10 +129,7 @@ def build_causal_lm(model_type: str, seed: int = 0):
 
 
 # Families whose compiled training is known to end WRONG or ERROR, for a reason in loracc/frontend/.
-KNOWN = {
-    "dory": ("loracc/frontend/patching.py (_NoCacheInTraining) sets use_cache=False, while Dory runs its layers twice per "
-             "step and with a cache (its config's default) the second call attends to the first call's keys"),
-}
+KNOWN: dict[str, str] = {}
 
 
 # Encoder families people fine-tune with LoRA for sequence classification.

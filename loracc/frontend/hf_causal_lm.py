@@ -23,7 +23,7 @@ from torch import nn
 from ..capture.trace import RUN_HOOKS
 from ..ir import cross_entropy
 from ..runtime.region import Region
-from .patching import CompiledForward, all_eager, bound_call, cache_changes_the_mask, eager_signature
+from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
 
 def causal_lm(model: nn.Module):
@@ -353,10 +353,13 @@ class HeadForward(CompiledForward):
             return eager(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        # A decoder patched by _NoCacheInTraining decides on the cache itself (a decoder that
+        # repeats its layers keeps its config's); any other runs without one.
+        use_cache = call.get("use_cache") if isinstance(decoder.__dict__.get("forward"), _NoCacheInTraining) else False
         with _deferred(decoder.norm) if self.defers_norm else contextlib.nullcontext():
             outputs = decoder(
                 input_ids=call.get("input_ids"), attention_mask=call.get("attention_mask"),
-                position_ids=call.get("position_ids"), inputs_embeds=call.get("inputs_embeds"), use_cache=False,
+                position_ids=call.get("position_ids"), inputs_embeds=call.get("inputs_embeds"), use_cache=use_cache,
             )
         items = call.get("num_items_in_batch")
         if items is not None and not isinstance(items, torch.Tensor):
