@@ -80,7 +80,7 @@ def test_memory_plan_counts_the_chunk_temporaries():
     rows = batch["input_ids"].numel()
     workspace = cross_entropy.workspace_bytes(model.config.vocab_size, rows, torch.float32)
     assert workspace == rows * model.config.vocab_size * 12
-    assert head.reports["memory_plan"]["forward"]["peak_bytes"] >= workspace
+    assert head.reports["memory_plan"].forward.peak_bytes >= workspace
 
 
 def test_fp16_autocast_keeps_the_eager_head():

@@ -173,14 +173,10 @@ def plan_offsets(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[i
 
 class _Report:
     """What the typed reports of this module share: ``asdict()`` (nested reports as dicts, in field
-    order: the JSON ``loracc dump`` prints) and, for readers not yet moved to attributes,
-    ``report["name"]`` (the attribute ``name``)."""
+    order: the JSON ``loracc dump`` prints)."""
 
     def asdict(self) -> dict:
         return dataclasses.asdict(self)
-
-    def __getitem__(self, name: str):
-        return getattr(self, name)
 
 
 @dataclass(frozen=True)
