@@ -12,7 +12,7 @@
 #        LoRA linear against the frozen GEMMs at the six ANCHORS shapes, ~1.5-3 minutes).
 # varlen, varlen-compile, varlen-dynamic, varlen-compile-packed: `python -m benchmarks step --varlen`
 #        (varying lengths on a Qwen2-0.5B-shaped model, padded and packed, with loracc's fixed-shape
-#        references), one call each: eager PEFT, Liger, Unsloth and loracc on every layout;
+#        references), one call each: eager PEFT, Liger, Unsloth, loracc and loracc without CUDA graphs on every layout;
 #        torch.compile on the padded layout; the same with dynamic=True; both on the packed layout.
 #        MAXLEN=1024 clips the lengths.
 # moe, nf4, sdxl, flux: the Qwen3-MoE-shaped, Llama-3-8B NF4-base (PEFT + bitsandbytes, eager PEFT over
@@ -62,7 +62,7 @@ for part in "${@:-tests}"; do
         BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks step --quick --out "$OUT/step-quick.json" \
             --report-dir "$OUT/report-quick" 2>&1 | grep -A30 "^summary" ;;
     varlen|varlen-compile|varlen-dynamic|varlen-compile-packed)
-        what="--method peft-eager,peft-liger,unsloth,loracc"
+        what="--method peft-eager,peft-liger,unsloth,loracc,loracc-nographs"
         [ $part = varlen-compile ] && what="--method peft-compile --workload qwen2-0.5b-varlen"
         [ $part = varlen-dynamic ] && what="--method peft-compile-dynamic --workload qwen2-0.5b-varlen"
         [ $part = varlen-compile-packed ] && what="--method peft-compile,peft-compile-dynamic --workload qwen2-0.5b-packed"
