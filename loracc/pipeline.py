@@ -4,9 +4,15 @@ The stages up to the joint come from ``trace_cache`` when an earlier process tra
 
 ``compile_call`` returns a ``Program``: the two callables the runtime runs, plus every stage's graph
 and every pass's report, for ``loracc dump`` and ``loracc.explain``.
+
+With ``LORACC_CHECK_PASSES=1`` in the environment (read once per ``compile_call``), each pass's contract
+(``passes.CONTRACTS``: its ``requires`` before it runs, its ``ensures`` after) is checked, and a
+violation raises ``LoraccError`` naming the pass, the region, the stage and each violated condition.
+Off, nothing is checked or copied.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +22,8 @@ from torch import nn
 from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint
 from .capture.trace_cache import Traced, cached_trace
 from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
-from .passes import FORWARD_PASSES, fusion, memory_plan, partition, remat
+from .errors import LoraccError
+from .passes import CONTRACTS, FORWARD_PASSES, PassResult, fusion, memory_plan, partition, remat
 from .passes.memory_plan import MemoryPlanReport
 
 
@@ -61,28 +68,55 @@ def compile_call(
     the rest of the step holds meanwhile), see ``passes.remat``.
     """
     start = time.perf_counter()
+    check = checking_passes()
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
     if dynamic:
-        traced = trace(module, path, signature, needs_grad, dynamic=True)
+        traced = trace(module, path, signature, needs_grad, dynamic=True, check=check)
         cache_report = {"hit": False, "why": "symbolic shapes (traced once for every sequence length)"}
     else:
-        traced, cache_report = cached_trace(module, path, signature, lambda: trace(module, path, signature, needs_grad))
+        traced, cache_report = cached_trace(
+            module, path, signature, lambda: trace(module, path, signature, needs_grad, check=check))
     captured, stages, reports = traced.captured, dict(traced.stages), dict(traced.reports)
+    if check and cache_report.get("hit"):  # the forward passes did not run: check the graphs they left
+        previous = "captured"
+        for pass_ in FORWARD_PASSES:
+            name, stage = pass_.__name__, "traced forward graph (from the trace cache)"
+            check_requires(name, path, stage, stages[previous])
+            check_ensures(name, path, stage, stages[previous], PassResult(stages[name], reports[name]))
+            previous = name
     reports["trace_cache"] = cache_report
     out_vals = [o.meta["val"] for o in output_node(stages["captured"]).args[0]]
     n_outputs = len(out_vals)
     joint = copy_graph(stages["joint"])  # remat marks its cut on the copy; partition reads it
-    reports["remat"] = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes).report
+    if check:
+        check_requires("remat", path, "joint graph", joint, n_outputs)
+    marked = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes)
+    if check:
+        check_ensures("remat", path, "joint graph", stages["joint"], marked, n_outputs)
+    reports["remat"] = marked.report
     stages["remat"] = joint
+    if check:
+        check_requires("partition", path, "joint graph", joint, n_outputs)
     result = partition(joint, n_outputs)
+    if check:
+        check_ensures("partition", path, "joint graph", joint, result, n_outputs)
     reports["partition"] = result.report
     parts = result.gm
     memory, fused = {}, {}
     for stage, graph in (("forward", parts.forward), ("backward", parts.backward)):
+        if check:  # fusion and memory_plan rewrite and annotate their graph in place: compare with a copy
+            check_requires("fusion", path, f"{stage} graph", graph)
+            before = copy_graph(graph)
         grouped = fusion(graph)
+        if check:
+            check_ensures("fusion", path, f"{stage} graph", before, grouped)
+            check_requires("memory_plan", path, f"{stage} graph", grouped.gm)
+            before = copy_graph(grouped.gm)
         fused[stage] = grouped.report
         planned = memory_plan(grouped.gm)
+        if check:
+            check_ensures("memory_plan", path, f"{stage} graph", before, planned)
         stages[stage] = planned.gm
         memory[stage] = planned.report
     tangent_bytes = sum(value_bytes(t.meta.get("val")) for t in placeholders(joint) if role(t) == "tangent")
@@ -107,16 +141,53 @@ def compile_call(
     )
 
 
-def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: list[bool], dynamic: bool = False) -> Traced:
-    """Capture the call, run the forward passes, derive the joint graph (what ``trace_cache`` keeps)."""
+def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: list[bool], dynamic: bool = False,
+          check: bool = False) -> Traced:
+    """Capture the call, run the forward passes, derive the joint graph (what ``trace_cache`` keeps).
+    ``check``: check each forward pass's contract (``check_requires``, ``check_ensures``)."""
     captured = capture_forward(module, path, signature, dynamic=dynamic)
     gm = captured.gm
     stages, reports = {"captured": gm}, {}
     # A pass rewrites the graph it is given: each runs on a copy, so that every stage stays as it was.
     for pass_ in FORWARD_PASSES:
+        if check:
+            check_requires(pass_.__name__, path, "traced forward graph", gm)
         result = pass_(copy_graph(gm))
+        if check:  # the pass ran on a copy: ``gm`` is the graph it was given, untouched
+            check_ensures(pass_.__name__, path, "traced forward graph", gm, result)
         gm = result.gm
         stages[pass_.__name__] = gm
         reports[pass_.__name__] = result.report
     stages["joint"] = derive_joint(gm, needs_grad)
     return Traced(captured, stages, reports)
+
+
+CHECK_PASSES = "LORACC_CHECK_PASSES"
+
+
+def checking_passes() -> bool:
+    """Whether the environment asks for the passes' contracts to be checked (``LORACC_CHECK_PASSES=1``)."""
+    return os.environ.get(CHECK_PASSES, "0").strip() == "1"
+
+
+def check_requires(name: str, path: str, stage: str, gm: fx.GraphModule, *args) -> None:
+    """Check pass ``name``'s ``requires`` (``passes.CONTRACTS``) on ``gm``, the graph it is about to run
+    on; ``args``: the pass's arguments after the graph. See ``violated``."""
+    violated(name, "requires", path, stage, CONTRACTS[name].requires(gm, *args))
+
+
+def check_ensures(name: str, path: str, stage: str, before: fx.GraphModule, result: PassResult, *args) -> None:
+    """Check pass ``name``'s ``ensures`` on its ``result``, given ``before``, an untouched copy of the
+    graph it ran on. See ``violated``."""
+    violated(name, "ensures", path, stage, CONTRACTS[name].ensures(before, result, *args))
+
+
+def violated(name: str, which: str, path: str, stage: str, problems: list[str]) -> None:
+    """``LoraccError`` naming the pass, which half of its contract, the region ``path``, the ``stage``
+    and every violated condition, if there are any."""
+    if problems:
+        where = f"region {path!r}" if path else "the top-level region"
+        raise LoraccError(
+            f"pass {name}: its {which} failed ({CHECK_PASSES}=1) in {where}, {stage}:\n"
+            + "\n".join(f"- {p}" for p in problems)
+        )

@@ -10,9 +10,15 @@ of a matched LoRA layer is loracc's backward op). On the joint graph, ``remat`` 
 forward saves under the memory budget and ``partition`` splits it there; ``memory_plan`` then plans
 the buffers of the forward graph and of the backward graph. Adding a pass: CONTRIBUTING.md; where
 the passes sit in the pipeline: docs/architecture.md.
+
+Each pass's Requires and Guarantees are also checks: its module defines ``requires(gm, *args)`` and
+``ensures(before, result, *args)``, plain functions that return the violated conditions as sentences
+(``passes.contract`` says how, and holds the checks passes share). ``CONTRACTS`` pairs them with the
+pass by name; ``compile_call`` runs them around each pass under ``LORACC_CHECK_PASSES=1``.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -31,6 +37,20 @@ from .memory_plan import memory_plan  # noqa: E402
 from .partition import partition  # noqa: E402
 from .remat import remat  # noqa: E402
 
+from .contract import Contract  # noqa: E402
+
 FORWARD_PASSES = [cleanup, lora_match]
 
-__all__ = ["PassResult", "FORWARD_PASSES", "cleanup", "lora_match", "remat", "partition", "fusion", "memory_plan"]
+
+def _contract(module: str) -> Contract:
+    """The ``requires`` and ``ensures`` that the pass module ``module`` defines (the package's attribute
+    of that name is the pass function, so the module is read from ``sys.modules``)."""
+    mod = sys.modules[f"{__name__}.{module}"]
+    return Contract(mod.requires, mod.ensures)
+
+
+# Pass name -> its contract; ``requires(gm, *args)`` and ``ensures(before, result, *args)`` take the
+# pass's arguments after the graph (``remat`` and ``partition``: ``n_outputs``).
+CONTRACTS = {name: _contract(name) for name in ("cleanup", "lora_match", "remat", "partition", "fusion", "memory_plan")}
+
+__all__ = ["PassResult", "FORWARD_PASSES", "CONTRACTS", "Contract", "cleanup", "lora_match", "remat", "partition", "fusion", "memory_plan"]

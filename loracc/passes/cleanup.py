@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..ir.graph import info
 from . import PassResult
+from .contract import graph_problems, names, same_inputs, same_output_arity
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -135,3 +136,63 @@ def _same_sizes(a, b) -> bool:
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+# The contract (``passes.contract``): the docstring's Requires and Guarantees that the graph shows.
+
+def requires(gm: fx.GraphModule) -> list[str]:
+    """An ATen-level forward graph: it lints, every node has its fake value, no ``call_module`` or
+    ``call_method`` node (those are Python-level), no incoming gradient (``tangent``) among its inputs."""
+    problems = graph_problems(gm, "the captured graph")
+    python_level = [n for n in gm.graph.nodes if n.op in ("call_module", "call_method")]
+    if python_level:
+        problems.append(f"the graph is not ATen-level: it has call_module/call_method nodes {names(python_level)}")
+    tangents = [p for p in gm.graph.find_nodes(op="placeholder") if info(p).get("role") == "tangent"]
+    if tangents:
+        problems.append(f"the graph is not a forward graph: it reads incoming gradients {names(tangents)}")
+    return problems
+
+
+def ensures(before: fx.GraphModule, result: PassResult) -> list[str]:
+    """The same inputs and number of outputs; no node without users but side-effecting ones; no traced
+    linear left unfolded (``unfolded_linears``); every ``sym_size`` of one symbol read from the first
+    graph input that has it; the report's count of folded linears is what the graph shows."""
+    gm = result.gm
+    problems = graph_problems(gm, "cleanup's graph") + same_inputs(before, gm, "cleanup's graph")
+    problems += same_output_arity(before, gm, "cleanup's graph")
+    dead = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not n.is_impure()]
+    if dead:
+        problems.append(f"cleanup left nodes that nothing reads and that have no side effect: {names(dead)}")
+    unfolded = unfolded_linears(gm)
+    if unfolded:
+        problems.append(f"cleanup left traced linears (mm/addmm of x and t(W)) not folded into aten.linear: {names(unfolded)}")
+    first = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                first.setdefault(size.node.expr, (node, dim))
+    stray = [n for n in gm.graph.find_nodes(op="call_function", target=aten.sym_size.int)
+             if isinstance(n.meta.get("val"), torch.SymInt) and n.meta["val"].node.expr in first
+             and tuple(n.args) != first[n.meta["val"].node.expr]]
+    if stray:
+        problems.append(f"cleanup left sizes read from something other than the first graph input that has them: {names(stray)}")
+    folded = _count_linears(gm) - _count_linears(before)
+    if result.report.get("linears folded") != folded:
+        problems.append(f"cleanup reports {result.report.get('linears folded')} linears folded where the graph "
+                        f"has {folded} more aten.linear nodes")
+    return problems
+
+
+def unfolded_linears(gm: fx.GraphModule) -> list[fx.Node]:
+    """``mm(x, t(W))`` / ``addmm(b, x, t(W))`` nodes with users, ``x`` 2-d and ``x``'s last size that of
+    ``W``'s columns: what cleanup folds into ``aten.linear``."""
+    found = []
+    for node in gm.graph.nodes:
+        flat = _linear_2d(node) if node.users else None
+        if flat is None:
+            continue
+        x_val, w_val = _val(flat[0]), _val(flat[1])
+        if x_val is not None and w_val is not None and x_val.dim() == 2 and w_val.dim() == 2 and _same_sizes(x_val.shape[-1:], w_val.shape[1:]):
+            found.append(node)
+    return found

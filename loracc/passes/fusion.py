@@ -35,6 +35,7 @@ from .. import _compat
 from ..ir.fused_rows import PASS_THROUGH, FusedRows
 from ..ir.graph import info, output_node
 from . import PassResult
+from .contract import graph_problems, names, same_inputs, same_output_arity
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -273,3 +274,37 @@ def _replace(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, index: in
 def _op_name(node: fx.Node) -> str:
     target = node.target
     return target._opname if target._overloadname in ("default", "Tensor") else f"{target._opname}.{target._overloadname}"
+
+
+# The contract (``passes.contract``): the docstring's Requires and Guarantees that the graph shows.
+
+def requires(gm: fx.GraphModule) -> list[str]:
+    """A graph whose nodes carry their fake values (``contract.graph_problems``)."""
+    return graph_problems(gm, "the graph fusion is given")
+
+
+def ensures(before: fx.GraphModule, result: PassResult) -> list[str]:
+    """The same inputs and number of outputs; every ``FusedRows`` call the pass added computes two or
+    more ops, its fake value has one item per value of the group read outside it, each read through a
+    ``getitem``; no member of a group is left in the graph; the report counts the groups."""
+    gm, report = result.gm, result.report
+    problems = graph_problems(gm, "fusion's graph") + same_inputs(before, gm, "fusion's graph")
+    problems += same_output_arity(before, gm, "fusion's graph")
+    had = {n.name for n in before.graph.nodes if isinstance(n.target, FusedRows)}
+    calls = [n for n in gm.graph.nodes if isinstance(n.target, FusedRows) and n.name not in had]
+    if report.get("groups") != len(calls) or report.get("fused_ops") != sum(len(n.target.ops) for n in calls):
+        problems.append(f"fusion reports {report.get('groups')} groups of {report.get('fused_ops')} ops where the graph "
+                        f"has {len(calls)} new FusedRows calls of {sum(len(n.target.ops) for n in calls)} ops")
+    small = [n for n in calls if len(n.target.ops) < 2]
+    if small:
+        problems.append(f"FusedRows calls that compute fewer than two ops: {names(small)}")
+    items = [n for n in calls if not isinstance(n.meta.get("val"), tuple)
+             or any(u.target is not operator.getitem for u in n.users)
+             or any(not 0 <= u.args[1] < len(n.meta["val"]) for u in n.users if u.target is operator.getitem)]
+    if items:
+        problems.append(f"FusedRows calls whose value is not a tuple read item by item (getitem): {names(items)}")
+    members = {m for n in calls for m in info(n).get("fused", [])}
+    left = [n for n in gm.graph.nodes if n.name in members]
+    if left:
+        problems.append(f"nodes fused into a group are still in the graph: {names(left)}")
+    return problems

@@ -28,10 +28,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ir.graph import info, placeholders, role
+from ..ir.graph import INPUT_ROLES, info, placeholders, role
 from ..ir.ops import LORA_LINEAR
 from ..quant.nf4 import DEQUANT_NF4
 from . import PassResult
+from .contract import graph_problems, names, same_inputs, same_output_arity
 
 aten = torch.ops.aten
 CASTS = (aten._to_copy.default, aten.to.dtype)
@@ -222,3 +223,58 @@ def _replace(graph: fx.Graph, end, x, weight, bias, lora_a, lora_b, scale, lora_
     end.replace_all_uses_with(y)
     return layer
 
+
+
+# The contract (``passes.contract``): the docstring's Requires and Guarantees that the graph shows.
+
+def requires(gm: fx.GraphModule) -> list[str]:
+    """A forward graph after ``cleanup`` (no traced linear left unfolded) whose inputs all carry a role."""
+    from .cleanup import unfolded_linears
+
+    problems = graph_problems(gm, "the graph lora_match is given")
+    unfolded = unfolded_linears(gm)
+    if unfolded:
+        problems.append(f"the graph has traced linears that cleanup folds (run cleanup first): {names(unfolded)}")
+    unknown = [p for p in placeholders(gm) if role(p) not in INPUT_ROLES]
+    if unknown:
+        problems.append(f"graph inputs without a role (frozen_weight, lora_A, lora_B, ...): {names(unknown)}")
+    return problems
+
+
+def ensures(before: fx.GraphModule, result: PassResult) -> list[str]:
+    """The same inputs and number of outputs; each reported layer is one ``loracc::lora_linear`` node
+    (annotated with that layer), and no ``aten.linear`` still reads a matched layer's base weight or
+    LoRA weights; every LoRA weight that something reads either feeds a ``lora_linear`` or is
+    reported unmatched, with a reason."""
+    gm, report = result.gm, result.report
+    problems = graph_problems(gm, "lora_match's graph") + same_inputs(before, gm, "lora_match's graph")
+    problems += same_output_arity(before, gm, "lora_match's graph")
+    ops = [n for n in gm.graph.nodes if n.target is LORA_LINEAR]
+    layers = list(report.get("layers", []))
+    if report.get("matched") != len(layers) or len(ops) - _count(before) != len(layers):
+        problems.append(f"lora_match reports {report.get('matched')} matched layers ({len(layers)} named) where the "
+                        f"graph has {len(ops) - _count(before)} new loracc::lora_linear nodes")
+    if sorted(info(n).get("lora_layer", "?") for n in ops if n not in _existing(before, gm)) != sorted(layers):
+        problems.append("the loracc::lora_linear nodes are not annotated with the layers lora_match reports "
+                        f"(meta['loracc']['lora_layer']): {names(sorted(layers))}")
+    weights = {w for n in ops for w in (n.args[1], n.args[3], n.args[4])}
+    left = [n for n in gm.graph.nodes if _is(n, aten.linear.default) and n.args[1] in weights]
+    if left:
+        problems.append(f"aten.linear nodes still read a matched layer's weights (its base GEMM remains): {names(left)}")
+    used = {_uncast(a) for n in ops for a in n.args[3:5]}
+    unmatched = report.get("unmatched", {})
+    silent = [info(p).get("name", p.name) for p in placeholders(gm)
+              if role(p) in ("lora_A", "lora_B") and p.users and p not in used and not unmatched.get(info(p).get("name", p.name))]
+    if silent:
+        problems.append(f"LoRA weights are read but neither matched nor reported unmatched with a reason: {names(silent)}")
+    return problems
+
+
+def _count(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is LORA_LINEAR)
+
+
+def _existing(before: fx.GraphModule, after: fx.GraphModule) -> set:
+    """Nodes of ``after`` named as a ``lora_linear`` node of ``before`` (there before the pass ran)."""
+    was = {n.name for n in before.graph.nodes if n.target is LORA_LINEAR}
+    return {n for n in after.graph.nodes if n.name in was}

@@ -37,6 +37,7 @@ from .. import _compat
 from ..ir import cross_entropy
 from ..ir.graph import info, output_values, role, value_bytes
 from . import PassResult
+from .contract import graph_problems, names, same_structure
 
 ALIGNMENT = 256  # bytes: the arena places every buffer on a boundary GPU kernels load from at full width
 PARAMETER_ROLES = ("frozen_weight", "lora_A", "lora_B", "trainable", "buffer")
@@ -298,3 +299,49 @@ def _is_tuple(node) -> bool:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+# The contract (``passes.contract``): the docstring's Requires and Guarantees that the graph shows.
+
+def requires(gm: fx.GraphModule) -> list[str]:
+    """A graph whose nodes carry their fake values (``contract.graph_problems``)."""
+    return graph_problems(gm, "the graph memory_plan is given")
+
+
+def ensures(before: fx.GraphModule, result: PassResult) -> list[str]:
+    """The graph is unchanged but for the offsets; every intermediate buffer has an offset, within
+    ``arena_bytes`` and aligned; two buffers alive at once never overlap; the report's invariants
+    (``StageMemory``) hold and its buffer count is the graph's."""
+    gm, report = result.gm, result.report
+    problems = graph_problems(gm, "memory_plan's graph") + same_structure(before, gm, "memory_plan's graph")
+    found = buffers(list(gm.graph.nodes), output_values(gm))
+    placed, missing = [], []
+    for b in found:
+        if b.is_output:
+            continue
+        node, item = b.key
+        offset = info(node).get("arena_offset")
+        offset = offset.get(item) if isinstance(offset, dict) and item is not None else offset
+        (missing if not isinstance(offset, int) else placed).append((b, offset))
+    if missing:
+        problems.append(f"intermediate buffers without an arena offset: {names(b.key[0] for b, _ in missing)}")
+    outside = [b.key[0] for b, offset in placed if offset < 0 or offset % ALIGNMENT or offset + b.nbytes > report.arena_bytes]
+    if outside:
+        problems.append(f"buffers placed outside the arena of {report.arena_bytes} bytes or off its "
+                        f"{ALIGNMENT}-byte alignment: {names(outside)}")
+    overlapping = []
+    placed.sort(key=lambda p: p[0].first)
+    for i, (a, a_off) in enumerate(placed):
+        for b, b_off in placed[i + 1:]:
+            if b.first > a.last:
+                break
+            if a_off < b_off + b.nbytes and b_off < a_off + a.nbytes:
+                overlapping.append(f"{a.key[0].name}/{b.key[0].name}")
+    if overlapping:
+        problems.append(f"buffers alive at the same time overlap in the arena: {names(overlapping)}")
+    fields = report.asdict()
+    if (any(v < 0 for v in fields.values()) or report.saved_input_bytes > report.saved_bytes
+            or report.output_bytes > report.peak_bytes or report.buffers != len(found)):
+        problems.append(f"memory_plan's report breaks its invariants (counts >= 0, saved_input_bytes <= saved_bytes, "
+                        f"output_bytes <= peak_bytes, {len(found)} buffers): {fields}")
+    return problems

@@ -24,8 +24,9 @@ import torch.fx as fx
 
 from .. import _compat
 from ..errors import Unsupported
-from ..ir.graph import info, output_node, placeholders
+from ..ir.graph import info, output_node, output_values, placeholders
 from . import PassResult
+from .contract import graph_problems, input_names, names
 from .memory_plan import activation_bytes, is_mutation, storage_key
 
 
@@ -212,3 +213,74 @@ def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
+
+
+# The contract (``passes.contract``): the docstring's Requires and Guarantees that the graphs show.
+
+def joint_problems(joint: fx.GraphModule, n_outputs: int, what: str = "the joint graph") -> list[str]:
+    """What ``remat`` and ``partition`` require of a joint graph from ``derive_joint``: it lints, every
+    node has its fake value and a phase, inputs are ``(*primals, *tangents)`` and it returns at least its
+    ``n_outputs`` forward outputs."""
+    problems = graph_problems(joint, what)
+    no_phase = [n for n in joint.graph.nodes if n.op != "output" and info(n).get("phase") not in ("forward", "backward")]
+    if no_phase:
+        problems.append(f"{what} has nodes without a phase (meta['loracc']['phase']): {names(no_phase)}")
+    kinds = [info(p).get("role") == "tangent" for p in placeholders(joint)]
+    if kinds != sorted(kinds):
+        problems.append(f"{what}'s inputs are not (*primals, *tangents): a primal comes after a tangent")
+    n_values = len(output_values(joint))
+    if not 0 <= n_outputs <= n_values:
+        problems.append(f"{what} returns {n_values} values, fewer than its {n_outputs} forward outputs")
+    return problems
+
+
+def requires(joint: fx.GraphModule, n_outputs: int) -> list[str]:
+    """A joint graph (``joint_problems``) whose saved values are marked on forward nodes or primals."""
+    problems = joint_problems(joint, n_outputs)
+    wrong = [n for n in joint.graph.nodes if "saved" in info(n)
+             and (info(n).get("phase") == "backward" or info(n).get("role") == "tangent" or n.op == "output")]
+    if wrong:
+        problems.append(f"values marked saved that the forward cannot hand over (backward nodes, tangents): {names(wrong)}")
+    return problems
+
+
+def ensures(joint: fx.GraphModule, result: PassResult, n_outputs: int) -> list[str]:
+    """Both graphs lint and carry fake values; ``forward(*primals) -> (*forward_outputs, *saved)`` and
+    ``backward(*saved, *tangents) -> input_grads`` in the joint's order; no ``detach``/``alias`` left; no
+    random or in-place op of the forward runs again in the backward; the report counts what the
+    graphs show."""
+    parts, report = result.gm, result.report
+    forward, backward = parts.forward, parts.backward
+    problems = graph_problems(forward, "the forward graph") + graph_problems(backward, "the backward graph")
+    saved = [n for n in joint.graph.nodes if "saved" in info(n)]
+    primals = [p.target for p in placeholders(joint) if info(p).get("role") != "tangent"]
+    tangents = [p.target for p in placeholders(joint) if info(p).get("role") == "tangent"]
+    if input_names(forward) != primals:
+        problems.append(f"the forward graph's inputs are not the joint graph's {len(primals)} primals, in order "
+                        f"(it has {len(input_names(forward))})")
+    n_grads = len(output_values(joint)) - n_outputs
+    if len(output_values(forward)) != n_outputs + len(saved):
+        problems.append(f"the forward graph returns {len(output_values(forward))} values, not its {n_outputs} "
+                        f"outputs and the {len(saved)} saved values")
+    if parts.saved != [s.name for s in saved]:
+        problems.append("the saved values partition hands over are not the ones remat marked, in the joint's order")
+    if input_names(backward) != [s.name for s in saved] + tangents:
+        problems.append(f"the backward graph's inputs are not the {len(saved)} saved values then the "
+                        f"{len(tangents)} tangents")
+    if len(output_values(backward)) != n_grads:
+        problems.append(f"the backward graph returns {len(output_values(backward))} values, not the joint's "
+                        f"{n_grads} input gradients")
+    identities = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+    for what, gm in (("forward", forward), ("backward", backward)):
+        left = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in identities]
+        if left:
+            problems.append(f"the {what} graph still has detach/alias nodes: {names(left)}")
+    again = [n for n in backward.graph.nodes if n.op == "call_function" and runs_in_forward_only(n)]
+    if again:
+        problems.append(f"the backward graph runs random or in-place ops of the forward again: {names(again)}")
+    if (report.saved_tensors + report.saved_inputs != len(saved) or report.saved_bytes != parts.saved_bytes
+            or report.primals != len(primals) or report.recomputed_in_backward != len(parts.recomputed)):
+        problems.append(f"partition's report ({report.asdict()}) does not count what the graphs show "
+                        f"({len(saved)} saved, {parts.saved_bytes} bytes, {len(primals)} primals, "
+                        f"{len(parts.recomputed)} recomputed)")
+    return problems

@@ -48,7 +48,8 @@ from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
 )
-from .partition import backward_nodes, forward_nodes, is_random
+from .contract import graph_problems, names, same_structure
+from .partition import backward_nodes, forward_nodes, is_random, joint_problems
 
 aten = torch.ops.aten
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.convolution, torch.ops.loracc.lora_linear}
@@ -324,3 +325,46 @@ def _flops(node: fx.Node) -> int | None:
         reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
         return 2 * hint(out.numel()) * hint(reduced.shape[-1])
     return None
+
+
+# The contract (``passes.contract``): the docstring's Requires and Guarantees that the graph shows.
+
+def requires(joint: fx.GraphModule, n_outputs: int) -> list[str]:
+    """A joint graph from ``derive_joint`` (``partition.joint_problems``)."""
+    return joint_problems(joint, n_outputs)
+
+
+def ensures(before: fx.GraphModule, result: PassResult, n_outputs: int) -> list[str]:
+    """The graph is unchanged but for the marks; ``saved`` only on forward nodes and primals, each with
+    its value's bytes; ``recomputed`` exactly on the forward nodes the backward then runs, never on an
+    input, a random or in-place op or a LoRA layer's ``su``, nor on a saved value; the backward can
+    compute every gradient from the saved values and the tangents; the report counts the marks."""
+    joint, report = result.gm, result.report
+    problems = graph_problems(joint, "remat's graph") + same_structure(before, joint, "remat's graph")
+    nodes = [n for n in joint.graph.nodes if n.op != "output"]
+    saved = [n for n in nodes if "saved" in info(n)]
+    marked = [n for n in nodes if "recomputed" in info(n)]
+    wrong = [n for n in saved if info(n).get("phase") != "forward" and not (n.op == "placeholder" and role(n) != "tangent")]
+    if wrong:
+        problems.append(f"remat marked saved values the forward cannot hand over (backward nodes, tangents): {names(wrong)}")
+    wrong = [n for n in saved + marked if info(n).get("saved", info(n).get("recomputed")) != value_bytes(n.meta.get("val"))]
+    if wrong:
+        problems.append(f"remat's marks do not give the bytes of their values: {names(wrong)}")
+    never = [n for n in marked if n.op == "placeholder" or is_random(n) or is_mutation(n) or _is_lora_u(n) or "saved" in info(n)]
+    if never:
+        problems.append(f"remat marked recomputed a value that is never recomputed (an input, a random or in-place "
+                        f"op, a LoRA layer's su, a saved value): {names(never)}")
+    try:
+        recomputed = [n for n in backward_nodes(joint, n_outputs, set(saved)) if info(n).get("phase") == "forward"]
+    except Unsupported as exc:
+        problems.append(f"the backward cannot compute its gradients from the saved values and the tangents: {exc}")
+    else:
+        if set(recomputed) != set(marked):
+            problems.append(f"the nodes marked recomputed are not the forward nodes the backward runs: "
+                            f"{names(set(recomputed) ^ set(marked))}")
+        if report.get("recomputed") != len(recomputed):
+            problems.append(f"remat reports {report.get('recomputed')} recomputed nodes where the backward recomputes {len(recomputed)}")
+    if report.get("saved") != len(saved) or report.get("saved bytes") != activation_bytes(saved):
+        problems.append(f"remat reports {report.get('saved')} saved values of {report.get('saved bytes')} bytes where "
+                        f"the marks say {len(saved)} of {activation_bytes(saved)} bytes")
+    return problems
