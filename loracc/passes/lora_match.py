@@ -254,7 +254,8 @@ def ensures(before: fx.GraphModule, result: PassResult) -> list[str]:
     if report.get("matched") != len(layers) or len(ops) - _count(before) != len(layers):
         problems.append(f"lora_match reports {report.get('matched')} matched layers ({len(layers)} named) where the "
                         f"graph has {len(ops) - _count(before)} new loracc::lora_linear nodes")
-    if sorted(info(n).get("lora_layer", "?") for n in ops if n not in _existing(before, gm)) != sorted(layers):
+    existing = _existing(before, gm)
+    if sorted(info(n).get("lora_layer", "?") for n in ops if n not in existing) != sorted(layers):
         problems.append("the loracc::lora_linear nodes are not annotated with the layers lora_match reports "
                         f"(meta['loracc']['lora_layer']): {names(sorted(layers))}")
     weights = {w for n in ops for w in (n.args[1], n.args[3], n.args[4])}
