@@ -127,3 +127,40 @@ def test_pyproject_ships_every_subpackage():
     listed = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(repo).parts) for p in (repo / "loracc").rglob("__init__.py")}
     assert found - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def _repo_import_graph(repo: Path):
+    """``{module: modules it imports}`` over the repo's packages (run-time imports: a parent package
+    is implied by its submodules and not counted)."""
+
+    def exists(name: str) -> bool:
+        path = repo / name.replace(".", "/")
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    edges: dict[str, set[str]] = {}
+    for root in ("loracc", "benchmarks", "examples", "tests"):
+        for path in (repo / root).rglob("*.py"):
+            parts = list(path.relative_to(repo).with_suffix("").parts)
+            package = parts[:-1]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join(parts)
+            found = edges.setdefault(name, set())
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = []
+                if isinstance(node, ast.ImportFrom):
+                    base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                    source = ".".join(x for x in (base, node.module or "") if x)
+                    targets = [f"{source}.{a.name}" if exists(f"{source}.{a.name}") else source for a in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                found.update(t for t in targets if exists(t) and t != name and not name.startswith(t + "."))
+    return edges
+
+
+def test_no_import_circle_anywhere_in_the_repo():
+    import networkx as nx
+
+    graph = nx.DiGraph([(a, b) for a, targets in _repo_import_graph(PACKAGE.parent).items() for b in targets])
+    cycles = list(nx.simple_cycles(graph))
+    assert cycles == [], f"import circles: {cycles[:5]}"

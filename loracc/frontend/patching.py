@@ -12,13 +12,9 @@ import contextlib
 import contextvars
 import inspect
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .regions import CompiledState
 
 
 class CompiledForward:
@@ -29,7 +25,9 @@ def is_loracc_forward(forward) -> bool:
     return isinstance(forward, CompiledForward)
 
 
-def patch(state: CompiledState, module: nn.Module, forward) -> None:
+def patch(state, module: nn.Module, forward) -> None:
+    """Install ``forward`` on ``module``; ``state`` (the model's ``regions.CompiledState``) records the
+    module in ``patched`` and a forward the instance had before in ``previous_forwards``."""
     previous = module.__dict__.get("forward")
     if previous is not None and not is_loracc_forward(previous):
         state.previous_forwards[id(module)] = previous
@@ -48,7 +46,7 @@ def eager_signature(module: nn.Module) -> inspect.Signature:
     return inspect.signature(type(module).forward.__get__(module))
 
 
-def patch_use_cache(state: CompiledState, owner: nn.Module) -> None:
+def patch_use_cache(state, owner: nn.Module) -> None:
     """Training calls of a Hugging Face decoder get ``use_cache=False`` unless the caller asks."""
     try:
         signature = inspect.signature(type(owner).forward)
