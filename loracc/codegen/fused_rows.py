@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import torch
 import torch.fx as fx
