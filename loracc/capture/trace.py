@@ -12,7 +12,6 @@ is loracc's own backward op by construction; LayerNorm is differentiated as its 
 from __future__ import annotations
 
 import contextlib
-
 import re
 from dataclasses import dataclass, field
 

@@ -45,6 +45,7 @@ import weakref
 
 import torch
 
+from .. import _compat
 from .._compat import saved_tensors_hooks_active
 from ..errors import LoraccError
 from .sized_graphs import Arena, SizedGraphs
@@ -444,7 +445,7 @@ def routes(inputs: list, outputs: list, in_place, lend_from: int) -> dict[int, i
 def _views(out, t) -> bool:
     """Whether ``out`` shares memory with the tensor ``t`` without being ``t`` itself."""
     return (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and out is not t
-            and torch._C._is_alias_of(out, t))
+            and _compat.is_alias_of(out, t))
 
 
 def share_decisions(first, second) -> None:

@@ -56,18 +56,19 @@ class Arena:
         """A view of the arena for each ``(shape, stride, dtype)`` in ``specs``, none overlapping
         another; the arena grows first (dropping every graph over it) if they do not fit, or moves
         to ``device``."""
+        spans = [_span_bytes(*spec) for spec in specs]
         offsets, end = [], 0
-        for shape, stride, dtype in specs:
+        for span in spans:
             offsets.append(end)
-            end += -(-_span_bytes(shape, stride, dtype) // ALIGN) * ALIGN
+            end += -(-span // ALIGN) * ALIGN
         if self.buffer is None or end > self.nbytes or self.buffer.device != device:
             for user in list(self.users):
                 user.drop_all()
             old, self.buffer = self.nbytes, None  # freed before the larger one is allocated
             # With headroom: sizes come in any order, and each growth drops every graph.
             self.buffer = torch.empty(max(end, old * 3 // 2), dtype=torch.uint8, device=device)
-        return [self.buffer[o:o + _span_bytes(shape, stride, dtype)].view(dtype).as_strided(shape, stride)
-                for o, (shape, stride, dtype) in zip(offsets, specs)]
+        return [self.buffer[o:o + span].view(dtype).as_strided(shape, stride)
+                for o, span, (shape, stride, dtype) in zip(offsets, spans, specs)]
 
 
 class _SizeGraph:
@@ -75,7 +76,7 @@ class _SizeGraph:
 
     def __init__(self, graph, static_inputs, out_views, outputs_plan):
         self.graph, self.static_inputs, self.out_views, self.outputs_plan = graph, static_inputs, out_views, outputs_plan
-        self.seq = self.last_replay = 0
+        self.seq = 0  # set by the pool (SharedPool.added)
 
     def __call__(self, inputs):
         torch._foreach_copy_(self.static_inputs, list(inputs))
@@ -140,8 +141,6 @@ class SizedGraphs:
                 return self._from_python(key, inputs)
         self.graphs.move_to_end(key)
         self.replays += 1
-        self.pool.replays += 1
-        graph.last_replay = self.pool.replays
         return graph(inputs)
 
     def _from_python(self, key, inputs):
