@@ -1,0 +1,65 @@
+"""Families whose CPU parity is proven in fp32 (tests/test_families.py), checked in bf16 on a GPU
+where loracc runs its Triton kernels and CUDA graphs: GPT-2 (Conv1D layers with
+``fan_in_fan_out``) and a mixture of experts (Qwen3-MoE: router, top-k dispatch and the experts'
+grouped GEMMs in the decoder layer's graph; LoRA on attention and on the fused expert weights).
+
+A 16-bit run is never equal to the fp32 one: loracc's loss and LoRA gradients must be as close to
+an fp32 eager reference as eager PEFT's own bf16 autocast run is (within twice its error, or the
+bf16 tolerance)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import family_sweep as fs
+import loracc
+from conftest import rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+TOL = 2e-2
+GPT2 = {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True}
+MOE = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+       "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+def _runs(model, batches):
+    """(loss, LoRA gradients) per batch for the fp32 eager reference, eager bf16 autocast and loracc
+    bf16 autocast, on copies of the same model."""
+    reference = model.cuda()
+    eager = copy.deepcopy(reference)
+    compiled = loracc.compile(copy.deepcopy(reference))
+    out = []
+    for batch in batches:
+        batch = {k: v.cuda() for k, v in batch.items()}
+        results = []
+        for model_, autocast in ((reference, False), (eager, True), (compiled, True)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model_(**batch).loss
+            loss.backward()
+            results.append((loss.detach().float(), {n: p.grad.float().clone() for n, p in model_.named_parameters()
+                                                    if p.requires_grad and p.grad is not None}))
+            for p in model_.parameters():
+                p.grad = None
+        out.append(results)
+    return compiled, out
+
+
+@pytest.mark.parametrize("family,lora", [("gpt2", GPT2), ("qwen3_moe", MOE)], ids=["gpt2", "qwen3-moe"])
+def test_bf16_on_the_gpu_within_eager_bf16_error(family, lora):
+    model = fs.with_lora(fs.build_causal_lm(family), "causal-lm", **lora)
+    vocab = model.config.vocab_size
+    torch.manual_seed(0)
+    batches = [{"input_ids": ids, "labels": ids} for ids in
+               (torch.randint(3, vocab - 1, (2, n)) for n in (48, 48, 48))]  # the third call replays graphs
+    compiled, runs = _runs(model, batches)
+    for step, ((ref_loss, ref_grads), (eager_loss, eager_grads), (loracc_loss, loracc_grads)) in enumerate(runs):
+        assert rel_err(loracc_loss, ref_loss) <= max(2 * rel_err(eager_loss, ref_loss), TOL), step
+        assert loracc_grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            allowed = max(2 * rel_err(eager_grads[name], ref), TOL)
+            assert rel_err(loracc_grads[name], ref) <= allowed, (step, name, rel_err(loracc_grads[name], ref), allowed)
+    report = loracc.explain(compiled)
+    assert not report.fallbacks, report.fallbacks
+    assert any(r.kind == "block" for r in compiled._loracc.regions)
