@@ -71,7 +71,7 @@ for part in "${@:-tests}"; do
     moe|nf4|sdxl|flux)
         limit=590
         case $part in
-        moe)  what="--workload qwen3-moe --method peft-eager,peft-compile,loracc" ;;
+        moe)  what="--workload qwen3-moe-noaux,qwen3-moe --method peft-eager,loracc" ;;
         nf4)  what="--workload llama-3-8b-nf4 --method peft-bnb,peft-eager,loracc,loracc-bnb,loracc-8gb"
               # loracc on the bf16 base in the same call: the NF4 base's cost against it
               BENCH_GIT_COMMIT=$commit timeout 200 python -m benchmarks step --workload llama-3-8b --method loracc \

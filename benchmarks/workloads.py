@@ -6,7 +6,8 @@ its lengths are drawn (``varlen``, see ``benchmarks/varlen.py``). A method is ho
 model is run: eager, under torch.compile, with Liger's or Unsloth's kernels, or compiled by loracc.
 Every method trains the same model (same seed, so same random weights) with the same LoRA config
 (r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down) and AdamW (torch's fused AdamW for the peers on
-a GPU, as Hugging Face Trainer's default ``adamw_torch_fused``; ``loracc.FusedAdamW`` for loracc).
+a GPU, as Hugging Face Trainer's default ``adamw_torch_fused``; ``loracc.FusedAdamW`` for loracc, with
+8-bit moments for ``loracc-8gb`` on the quantized workloads: ``optimizer_state``).
 """
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ WORKLOADS = {
     # format), LoRA adapters in bf16 beside them; lm_head stays bf16.
     "llama-3-8b-nf4": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="nf4"),
     "qwen3-moe": dict(family="qwen3_moe", batch=2, seq=2048, dtype="bfloat16", config=QWEN3_MOE, lora=MOE_LORA),
+    # The same without the load-balancing loss: transformers records the router logits for it with
+    # hooks, under which loracc runs the decoder layers eagerly; without it they are compiled.
+    "qwen3-moe-noaux": dict(family="qwen3_moe", batch=2, seq=2048, dtype="bfloat16",
+                            config=dict(QWEN3_MOE, output_router_logits=False), lora=MOE_LORA),
     # Diffusion (benchmarks/diffusion.py): SDXL's UNet at 1024x1024 (batch 1; --batch 4 for the
     # budget target) and FLUX.1-dev's transformer (4096 image + 512 text tokens), full depth and
     # at 3 double + 6 single blocks.
@@ -104,7 +109,9 @@ METHODS = {
     "loracc": "loracc.compile, defaults (memory_budget=None, cuda_graphs='auto')",
     "loracc-nographs": "loracc.compile, default plan with cuda_graphs=False (every graph run from Python)",
     "loracc-budget": "loracc.compile with a tight memory_budget (--loracc-budget, default 0.1)",
-    "loracc-8gb": "loracc.compile with memory_budget='8GB' (8e9 bytes = 7.45 GiB; a limit on the whole step's peak)",
+    "loracc-8gb": "loracc.compile with memory_budget='8GB' (8e9 bytes = 7.45 GiB; a limit on the whole step's peak); "
+                  "on the quantized workloads AdamW's moments in 8 bits (FusedAdamW(state_dtype='int8'), "
+                  "loracc.compile(optimizer_state='int8'))",
     "loracc-graphs": "loracc.compile with cuda_graphs=True (each compiled graph replayed as a CUDA graph)",
     "peft-bnb": "QLoRA as users run it: PEFT over bitsandbytes' Linear4bit (NF4, double quant), eager (quantized workloads)",
     "loracc-bnb": "loracc.compile over the same bitsandbytes model, its NF4 layers adopted first "
@@ -320,12 +327,23 @@ def loracc_budget(method: str, budget_text: str):
     return parse_budget(budget_text) if method == "loracc-budget" else LORACC_BUDGETS[method]
 
 
-def make_optimizer(method: str, params, device):
-    """AdamW over ``params``: loracc's FusedAdamW for loracc, torch's fused AdamW (foreach on a CPU) otherwise."""
+def optimizer_state(method: str, workload: str | None) -> str:
+    """How ``method``'s AdamW keeps its moments on ``workload``, as ``loracc.compile(optimizer_state=...)``
+    names it: ``"int8"`` for ``loracc-8gb`` on a quantized workload (fitting an 8B QLoRA step into
+    8 GB, a user takes 8-bit AdamW state too), ``"fp32"`` otherwise (every other method and workload,
+    the 8 GB sweeps over bf16 bases included)."""
+    if method == "loracc-8gb" and workload is not None and WORKLOADS[workload].get("quant"):
+        return "int8"
+    return "fp32"
+
+
+def make_optimizer(method: str, params, device, workload: str | None = None):
+    """AdamW over ``params``: loracc's FusedAdamW for loracc (with 8-bit moments where
+    ``optimizer_state`` says so), torch's fused AdamW (foreach on a CPU) otherwise."""
     import torch
 
     if method.startswith("loracc"):
         import loracc
 
-        return loracc.FusedAdamW(params, lr=LEARNING_RATE)
+        return loracc.FusedAdamW(params, lr=LEARNING_RATE, state_dtype=optimizer_state(method, workload))
     return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=device == "cuda")

@@ -135,6 +135,62 @@ def test_moe_layers_compile_with_lora_on_attention_and_experts(family):
     assert matched > 0 and total > matched  # attention fused; expert adapters differentiated by autograd
 
 
+def _per_group_reference(a, b, offs):
+    rows, start = [], 0
+    for group, end in enumerate(offs.tolist()):
+        rows.append(a[start:end] @ b[group])
+        start = end
+    rows.append(a.new_zeros((a.shape[0] - start, b.shape[2])))  # rows past the last group
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("frozen_b", [False, True], ids=["experts-trained", "experts-frozen"])
+def test_grouped_mm_op_equals_per_group_products_and_their_gradients(frozen_b):
+    """``loracc::grouped_mm`` (what the MoE layers' grouped GEMMs are traced as) against the products
+    group by group, empty groups and rows past the last group included; its backward op against
+    autograd through the reference, and no weight gradient where the experts are frozen."""
+    torch.manual_seed(0)
+    a = torch.randn(37, 24, requires_grad=True)
+    b = torch.randn(5, 24, 11, requires_grad=not frozen_b)
+    offs = torch.tensor([6, 6, 19, 30, 33])  # group 1 empty, rows 33..36 in no group
+    grad = torch.randn(37, 11)
+    got = torch.ops.loracc.grouped_mm(a, b, offs)
+    want = _per_group_reference(a, b, offs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got_grads = torch.autograd.grad(got, [t for t in (a, b) if t.requires_grad], grad)
+    want_grads = torch.autograd.grad(want, [t for t in (a, b) if t.requires_grad], grad)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert len(got_grads) == (1 if frozen_b else 2)
+
+
+def test_an_op_whose_backward_cannot_be_traced_runs_its_region_eagerly():
+    """A custom op whose autograd formula branches on tensor values (as transformers 5.17's grouped
+    GEMM fallback did) cannot be differentiated by the tracer: the layers run eagerly, with a
+    warning, with eager's numbers."""
+    lib = torch.library.Library("loracc_test_untraceable", "FRAGMENT")
+    lib.define("scale_rows(Tensor x, Tensor n) -> Tensor")
+    lib.impl("scale_rows", lambda x, n: x * 2, "CompositeExplicitAutograd")
+    torch.library.register_fake("loracc_test_untraceable::scale_rows", lambda x, n: torch.empty_like(x), lib=lib)
+
+    def backward(ctx, grad):
+        if ctx.n.tolist()[0] == 0:  # data-dependent, as a loop over offs.tolist() is
+            return grad, None
+        return grad * 2, None
+
+    def setup(ctx, inputs, output):
+        ctx.n = inputs[1]
+
+    torch.library.register_autograd("loracc_test_untraceable::scale_rows", backward, setup_context=setup, lib=lib)
+    model = _llama()
+    for layer in model.model.layers:
+        mlp_forward = layer.mlp.forward
+        layer.mlp.forward = lambda x, f=mlp_forward: torch.ops.loracc_test_untraceable.scale_rows(f(x), torch.ones(1))
+    model = fs.with_lora(model, "causal-lm")
+    with pytest.warns(UserWarning, match="differentiating the traced graph failed"):
+        _check(model, allowed=("FALLBACK",))
+
+
 def _moe_recording_router_logits():
     model = fs.build_causal_lm("qwen3_moe")
     model.config.output_router_logits = True  # the load-balancing loss is added to the loss

@@ -22,6 +22,7 @@ from torch import nn
 from .. import _compat
 from ..errors import Unsupported
 from ..ir.graph import info, output_node, param_role, placeholders
+from ..ir.ops import GROUPED_MM
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Attributes that differ between otherwise identical layers without changing their training graph.
@@ -203,7 +204,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     module.__dict__.update({name: type(value)() for name, value in hooks.items()})
     try:
         with _SourceTracker(module, module_path), _without_cudnn_attention(dynamic):
-            gm = _compat.trace(flat_forward, examples, decompositions=CAPTURE_DECOMPOSITIONS)
+            gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
     except Unsupported:
         raise
     except Exception as exc:  # anything the tracer cannot follow runs eagerly
@@ -300,18 +301,33 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """``aten._grouped_mm`` of a mixture-of-experts layer (tokens sorted by expert, ``mat_a`` ``(T, K)``,
     the experts' weights ``mat_b`` ``(E, K, N)``, ``offs`` each expert's end row) in another dtype than
     bfloat16, which ATen's fake implementation refuses (its CPU and CUDA kernels take fp32 and fp16
-    too): traced as transformers' own grouped GEMM op (``transformers::grouped_mm_fallback``, a loop
-    over the experts with a fake implementation and an autograd formula), which computes the same
-    products. bfloat16 keeps ATen's op (``torch._grouped_mm``'s kernel and backward)."""
-    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    too): traced as ``loracc::grouped_mm`` (``ir/ops.py``), which computes the same products.
+    bfloat16 keeps ATen's op (``torch._grouped_mm``'s kernel and backward)."""
     plain = offs is not None and bias is None and out_dtype in (None, mat_a.dtype) and mat_a.dim() == 2 and mat_b.dim() == 3
-    if fallback is None or not plain or mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype:
+    if not plain or mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype:
         return NotImplemented
-    return fallback(mat_a, mat_b, offs)
+    return GROUPED_MM(mat_a, mat_b, offs)
 
 
-# Ops the captured forward holds as others (see _grouped_mm).
-CAPTURE_DECOMPOSITIONS = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+def _transformers_grouped_mm(input, weight, offs):
+    """transformers' own grouped GEMM op (``transformers::grouped_mm_fallback``, a loop over the
+    experts, used where ``torch._grouped_mm`` does not apply, e.g. fp32 expert weights): the same
+    products as ``loracc::grouped_mm``, whose backward is an op of its own (some transformers
+    versions differentiate theirs in a Python loop over data-dependent sizes, which a trace cannot
+    follow)."""
+    if input.dtype != weight.dtype:
+        return NotImplemented
+    return GROUPED_MM(input, weight, offs)
+
+
+def capture_decompositions() -> dict:
+    """Ops the captured forward holds as others (see ``_grouped_mm``, ``_transformers_grouped_mm``);
+    transformers' op is there once transformers has registered it."""
+    table = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:
+        table[fallback.default] = _transformers_grouped_mm
+    return table
 
 
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -371,7 +387,11 @@ def derive_joint(fwd: fx.GraphModule, needs_grad: list[bool]) -> fx.GraphModule:
 
     tangent_examples = [v for v, d in zip(out_vals, differentiable) if d]
     examples = [n.meta["val"] for n in inputs] + tangent_examples
-    gm = _compat.trace(joint, examples)
+    try:
+        gm = _compat.trace(joint, examples)
+    except Exception as exc:  # an op whose backward the tracer cannot follow: the region runs eagerly
+        raise Unsupported(f"differentiating the traced graph failed: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
     joint_inputs = placeholders(gm)
     for src, node in zip(inputs, joint_inputs):

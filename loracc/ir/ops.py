@@ -150,3 +150,72 @@ lora_linear.register_autograd(_backward, setup_context=_setup_context)
 
 LORA_LINEAR = torch.ops.loracc.lora_linear.default
 LORA_LINEAR_BACKWARD = torch.ops.loracc.lora_linear_backward.default
+
+
+# --- grouped GEMM (mixture-of-experts layers) ------------------------------------------------------
+#
+# ``loracc::grouped_mm(a, b, offs)``: ``a`` ``(T, K)`` holds rows sorted by group, ``b`` ``(G, K, N)``
+# one matrix per group, ``offs`` ``(G,)`` (integers) each group's end row; row ``t`` of the result is
+# ``a[t] @ b[g]`` for the group ``g`` it falls in, rows past ``offs[-1]`` are zero. This is
+# ``torch._grouped_mm(a, b, offs=offs)`` (what transformers' MoE layers call) for the dtypes ATen's
+# fake implementation refuses, and transformers' own Python-loop fallback: held as one op with an
+# explicit backward op, so that differentiating it never follows a loop over data-dependent sizes,
+# and the backward skips the experts' weight gradient where the weights are frozen.
+
+
+def _groups(offs: Tensor):
+    start = 0
+    for group, end in enumerate(offs.tolist()):  # one device synchronisation
+        if end > start:
+            yield group, start, end
+        start = max(start, end)
+
+
+@torch.library.custom_op("loracc::grouped_mm", mutates_args=())
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    out = a.new_zeros((a.shape[0], b.shape[2]))
+    for group, start, end in _groups(offs):
+        torch.mm(a[start:end], b[group], out=out[start:end])
+    return out
+
+
+@grouped_mm.register_fake
+def _(a, b, offs):
+    return a.new_empty((a.shape[0], b.shape[2]))
+
+
+@torch.library.custom_op("loracc::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(grad: Tensor, a: Tensor, b: Tensor, offs: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor, Tensor]:
+    """``(grad_a, grad_b)`` of ``grouped_mm``; an empty tensor for one not needed."""
+    grad_a = torch.zeros_like(a) if need_a else None
+    grad_b = torch.zeros_like(b) if need_b else None
+    for group, start, end in _groups(offs):
+        if need_a:
+            torch.mm(grad[start:end], b[group].t(), out=grad_a[start:end])
+        if need_b:
+            torch.mm(a[start:end].t(), grad[start:end], out=grad_b[group])
+    return or_empty(grad_a, grad), or_empty(grad_b, grad)
+
+
+@grouped_mm_backward.register_fake
+def _(grad, a, b, offs, need_a, need_b):
+    return (a.new_empty(a.shape) if need_a else grad.new_empty(0)), (b.new_empty(b.shape) if need_b else grad.new_empty(0))
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    need_a, need_b, _ = ctx.needs_input_grad
+    if grad is None or not (need_a or need_b):
+        return None, None, None
+    grad_a, grad_b = grouped_mm_backward(grad.contiguous(), a, b, offs, need_a, need_b)
+    return (grad_a if need_a else None), (grad_b if need_b else None), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
+
+GROUPED_MM = torch.ops.loracc.grouped_mm.default
