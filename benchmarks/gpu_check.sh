@@ -2,7 +2,7 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
+#   [LIMIT=seconds] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
@@ -69,7 +69,7 @@ for part in "${@:-tests}"; do
         BENCH_GIT_COMMIT=$commit timeout 590 python -m benchmarks step --varlen $what ${MAXLEN:+--max-len $MAXLEN} \
             --timeout 540 --deadline 570 --out "$OUT/$part.json" 2>&1 | grep -A40 "^summary" ;;
     moe|nf4|sdxl|flux)
-        limit=590
+        limit=${LIMIT:-590}
         case $part in
         moe)  what="--workload qwen3-moe-noaux,qwen3-moe --method peft-eager,loracc" ;;
         nf4)  what="--workload llama-3-8b-nf4 --method peft-bnb,peft-eager,loracc,loracc-bnb,loracc-8gb"
