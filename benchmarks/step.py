@@ -79,7 +79,7 @@ START = time.perf_counter()  # a worker's import time is counted from here
 
 from benchmarks import diffusion, harness, report, runner, varlen  # noqa: E402
 from benchmarks.workloads import LEARNING_RATE, LORA_ALPHA, LORA_R, LORA_TARGETS, METHODS, SEED, WORKLOADS, \
-    build_model, flops_per_token, kind, loracc_budget, make_optimizer, set_max_len  # noqa: E402
+    build_model, flops_per_token, kind, loracc_budget, make_optimizer, optimizer_state, set_max_len  # noqa: E402
 
 
 class Progress:
@@ -137,7 +137,8 @@ def run_worker(args, progress=None, ready: float | None = None, imported: float 
             budget = loracc_budget(args.method, args.loracc_budget)
             progress("loracc compile")
             graphs = {"loracc-graphs": True, "loracc-nographs": False}.get(args.method, "auto")
-            loracc.compile(peft_model, memory_budget=budget, cuda_graphs=graphs)
+            loracc.compile(peft_model, memory_budget=budget, cuda_graphs=graphs,
+                           optimizer_state=optimizer_state(args.method, args.workload))
         # import_s: the early imports (while the previous worker ran); setup_s: from its turn to the
         # model built (and compiled, for loracc), CUDA initialisation included.
         base.update(import_s=(imported or ready) - START, setup_s=time.perf_counter() - ready)
@@ -158,7 +159,7 @@ def run_worker(args, progress=None, ready: float | None = None, imported: float 
             else:
                 record.update(train(model, peft_model, argparse.Namespace(**{**vars(args), "seq": seq}), device, at))
             if args.method.startswith("loracc"):
-                record["notes"] = _loracc_notes(peft_model, budget)
+                record["notes"] = _loracc_notes(peft_model, budget, optimizer_state(args.method, args.workload))
             if kind(args.workload) != "causal-lm" and record.get("status") == "ok":
                 # No closed form as for the decoders: the step's FLOPs counted on the meta device, for MFU.
                 at("flop count")
@@ -214,13 +215,14 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _loracc_notes(peft_model, budget) -> str:
+def _loracc_notes(peft_model, budget, state: str = "fp32") -> str:
     import loracc
 
     explained = loracc.explain(peft_model)
     fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
     graphs = explained.cuda_graphs
-    return (f"memory_budget={budget!r}, backend {explained.backend}, "
+    return (f"memory_budget={budget!r}, " + ("AdamW moments int8, " if state == "int8" else "")
+            + f"backend {explained.backend}, "
             f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
             f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "
             f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}"
@@ -243,7 +245,7 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = getattr(peft_model, "_bench_optimizer", None)
     if optimizer is None:  # one optimizer for every length of a sweep: its state is part of the peak
-        optimizer = peft_model._bench_optimizer = make_optimizer(args.method, params, device)
+        optimizer = peft_model._bench_optimizer = make_optimizer(args.method, params, device, args.workload)
     cuda = device == "cuda"
 
     def step():

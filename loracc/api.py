@@ -15,7 +15,7 @@ from .codegen import get_backend
 from .errors import LoraccError
 from .frontend.patching import is_loracc_forward
 from .frontend.regions import CompiledState, count_parameters, find_lora_layers, install
-from .options import graph_mode, parse_budget
+from .options import graph_mode, parse_budget, parse_optimizer_state
 from .quant import bnb
 from .runtime import verify as verification
 from .runtime.cuda_graphs import Replayers
@@ -26,7 +26,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda_graphs: bool | str = "auto",
-            verify: bool | None = None) -> nn.Module:
+            verify: bool | None = None, optimizer_state: str = "fp32") -> nn.Module:
     """Compile ``model``'s LoRA training step in place and return it.
 
     The returned object is ``model`` itself: its parameters, ``state_dict``, PEFT's
@@ -39,6 +39,13 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     inputs and dropout masks). A byte count (int) or a size string (``"8GB"``, ``"7.5GiB"``): a limit
     on the whole step's predicted peak, weights, gradients and AdamW state included; if nothing fits,
     the first training call raises ``LoraccError`` naming the smallest peak possible.
+    ``optimizer_state``: how the optimizer that trains the model keeps AdamW's two moments, which
+    the predicted peak (``explain``, a byte ``memory_budget``) counts for every trainable element:
+    ``"fp32"`` (two fp32 values: ``loracc.FusedAdamW``'s default, ``torch.optim.AdamW`` over fp32
+    adapters) or ``"int8"`` (``loracc.FusedAdamW(..., state_dtype="int8")``: two uint8 codes plus an
+    fp32 scale per moment for every 256 elements). loracc cannot see the optimizer: name the one you
+    build. Saying ``"int8"`` and then training with fp32 moments leaves 6 bytes per trainable
+    element out of the prediction.
     ``backend``: ``"auto"`` (Triton kernels on CUDA, ATen ops elsewhere), ``"triton"`` or ``"eager"``.
     ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/runtime/cuda_graphs.py``): ``"auto"`` replays a
     compiled graph as a CUDA graph where, timed at its second and third calls, a replay is clearly faster than
@@ -64,6 +71,7 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     if not isinstance(backend, str):
         raise LoraccError(f"backend must be a string such as 'auto' or 'eager', got {type(backend).__name__}")
     _check_budget(memory_budget)
+    parse_optimizer_state(optimizer_state)
     # bitsandbytes' NF4 layers become loracc's NF4Linear over the same tensors; other quantized
     # layouts stay as they are: the blocks holding them run eagerly.
     for path, reason in bnb.adopt(model):
@@ -80,7 +88,7 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
         regions=[], backend=get_backend(backend, device, cuda_graphs=graph_mode(cuda_graphs, memory_budget), graphs=Replayers),
         lora_layers=lora_layers,
         trainable_params=trainable, frozen_params=frozen, memory_budget=memory_budget,
-        persistent_bytes=persistent_bytes(model),
+        persistent_bytes=persistent_bytes(model, optimizer_state),
     )
     install(model, state)
     for region in state.regions:

@@ -1,7 +1,10 @@
-"""The options of ``loracc.compile`` that reach the stages below it: the memory budget and the CUDA-graph mode.
+"""The options of ``loracc.compile`` that reach the stages below it: the memory budget, the optimizer's
+state and the CUDA-graph mode.
 
 ``parse_budget`` reads ``memory_budget`` (``loracc.compile`` refuses what it cannot read before any
-capture; ``passes.remat`` plans with the ``Budget``); ``graph_mode`` turns ``cuda_graphs`` into the
+capture; ``passes.remat`` plans with the ``Budget``); ``parse_optimizer_state`` reads
+``optimizer_state``, how the optimizer keeps its moments, which the step's predicted peak counts
+(``runtime.memory.persistent_bytes``); ``graph_mode`` turns ``cuda_graphs`` into the
 mode the Triton backend and the runtime's ``Replayer`` take (``"on"``, ``"off"`` or ``"auto"``).
 """
 from __future__ import annotations
@@ -11,6 +14,13 @@ from dataclasses import dataclass
 
 from .errors import LoraccError
 
+# ``optimizer_state``: how the optimizer keeps AdamW's two moments of every trainable element.
+# "fp32": two fp32 values (``FusedAdamW``'s default; ``torch.optim.AdamW`` over fp32 parameters).
+# "int8": two uint8 codes, and per moment one fp32 absmax for each block of ``INT8_STATE_BLOCK``
+# elements (``FusedAdamW(state_dtype="int8")``, bitsandbytes' blockwise 8-bit layout; each parameter
+# starts on a block).
+OPTIMIZER_STATES = ("fp32", "int8")
+INT8_STATE_BLOCK = 256
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MIN_LIMIT_BYTES = 2**20
 
@@ -59,6 +69,15 @@ def parse_budget(value) -> Budget:
             "fraction as a float (memory_budget=0.5) or a size as a string (memory_budget='8GB')"
         )
     return Budget(limit_bytes=value)
+
+
+def parse_optimizer_state(value) -> str:
+    """``optimizer_state`` as one of ``OPTIMIZER_STATES``; ``LoraccError`` for anything else."""
+    if not isinstance(value, str) or value not in OPTIMIZER_STATES:
+        raise LoraccError(
+            f"optimizer_state must be one of {list(OPTIMIZER_STATES)} (how the optimizer keeps AdamW's moments: "
+            f"'int8' for loracc.FusedAdamW(..., state_dtype='int8')), got {value!r}")
+    return value
 
 
 def graph_mode(cuda_graphs, memory_budget) -> str:

@@ -193,3 +193,100 @@ def test_dora_layers_are_reported_as_dora():
     result = lora_match(cleanup(gm).gm)
     assert result.report["matched"] == 0
     assert all("DoRA" in why for why in result.report["unmatched"].values())
+
+
+class _Peft4bitStyle(nn.Module):
+    """PEFT's bitsandbytes 4-bit LoRA layer's forward, over a plain frozen linear: the base output is
+    cloned (``result = result.clone()``), the LoRA term is computed in the adapters' dtype and cast to
+    the base's before the add (``output.to(expected_dtype)``)."""
+
+    def __init__(self, base_dtype, adapter_dtype, bias=True, dim=16, out=24, r=4):
+        super().__init__()
+        self.base_layer = nn.Linear(dim, out, bias=bias, dtype=base_dtype).requires_grad_(False)
+        self.lora_A = nn.Linear(dim, r, bias=False, dtype=adapter_dtype)
+        self.lora_B = nn.Linear(r, out, bias=False, dtype=adapter_dtype)
+        nn.init.normal_(self.lora_B.weight)  # PEFT starts B at zero: the branch would vanish
+
+    def forward(self, x):
+        result = self.base_layer(x)
+        result = result.clone()
+        output = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * 0.5
+        return result + output.to(result.dtype)
+
+
+class _SharedInput4bit(nn.Module):
+    """Three such layers reading one input, as q/k/v do (their base layers with a bias, as Qwen2's)."""
+
+    def __init__(self, base_dtype, adapter_dtype, bias=True):
+        super().__init__()
+        self.q, self.k, self.v = (_Peft4bitStyle(base_dtype, adapter_dtype, bias) for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+@pytest.mark.parametrize("base_dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_peft_4bit_layer_pattern_becomes_lora_linear(base_dtype, tol, bias):
+    """The clone of the base output (left by ``cleanup`` behind a bias) and the branch's cast to the
+    base dtype are folded: every layer is one op, the same function (in fp32 exactly; over a bf16 base
+    within one bf16 rounding, as the op adds in fp32 before rounding), and the compiled step's gradients
+    equal eager's."""
+    module = _SharedInput4bit(base_dtype, torch.float32, bias)
+    gm, inputs = capture(module, torch.randn(2, 5, 16, dtype=base_dtype))
+    gm = cleanup(gm).gm
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 3 == len(_matched(result.gm)) and "unmatched" not in result.report
+    left = {n.target for n in result.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.clone.default not in left and torch.ops.aten.linear.default not in left
+    _check_same_function(before, result.gm, inputs, tol)
+
+    if base_dtype == torch.float32:
+        compiled = loracc.compile(copy.deepcopy(module).train(), backend="eager")
+        x = torch.randn(3, 7, 16)
+        compiled(x).square().sum().backward()
+        module(x).square().sum().backward()
+        for (name, p), (_, q) in zip(module.named_parameters(), compiled.named_parameters()):
+            if p.requires_grad:
+                assert rel_err(q.grad, p.grad) <= 1e-5, name
+        assert len(loracc.explain(compiled).lora_layers_matched) == 3
+
+
+class _ClonedAndRead(_Peft4bitStyle):
+    """The cloned base output is also returned: the clone is not the add's alone, so no match."""
+
+    def forward(self, x):
+        result = self.base_layer(x)
+        result = result.clone()
+        return result + self.lora_B(self.lora_A(x)) * 0.5, result
+
+
+def test_a_clone_read_elsewhere_is_not_folded():
+    module = _ClonedAndRead(torch.float32, torch.float32)
+    gm, inputs = capture(module, torch.randn(2, 5, 16))
+    gm = cleanup(gm).gm
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 0 and set(result.report["unmatched"]) == {"lora_A.weight", "lora_B.weight"}
+    _check_same_function(before, result.gm, inputs, 1e-6)
+
+
+@pytest.mark.parametrize("fmt, options", [("nf4", {}), ("fp8", {"block": 128}), ("fp8", {"block": None})],
+                         ids=["nf4", "fp8-block", "fp8-channel"])
+def test_quantized_base_layers_become_lora_linear(fmt, options):
+    """A quantized base weight reaches its GEMM through its decoder (``quant.DEQUANTIZERS``): the op's
+    weight is the decoded value, the layer is fused, and the function is unchanged."""
+    pytest.importorskip("peft")
+    from loracc.quant import DEQUANTIZERS
+
+    model, _ = presets.preset("llama", layers=1)
+    loracc.quantize(model, fmt, **options)
+    layer = model.base_model.model.model.layers[0]
+    gm, inputs = capture(layer, torch.randn(2, 11, 64), position_embeddings=(torch.randn(2, 11, 16), torch.randn(2, 11, 16)))
+    gm = cleanup(gm).gm
+    before = snapshot(gm)
+    result = lora_match(gm)
+    assert result.report["matched"] == 7 and "unmatched" not in result.report
+    assert all(n.args[1].target in DEQUANTIZERS for n in _matched(result.gm))
+    _check_same_function(before, result.gm, inputs, 1e-5)

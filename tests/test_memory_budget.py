@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -74,3 +75,71 @@ def test_step_memory_reserves_what_the_other_regions_save_and_predicts_the_peak(
         assert memory.reserved_bytes(region, []) == state.persistent_bytes + others
     assert StepMemory([], 123).predicted_peak_bytes() is None
     assert StepMemory([], 123).reserved_bytes(state.regions[0], []) == 123
+
+
+def _moment_bytes(optimizer) -> int:
+    """What a FusedAdamW holds for AdamW's moments: its flat state buffers, scales included."""
+    names = ("exp_avg", "exp_avg_sq", "absmax1", "absmax2")
+    return sum(getattr(b, n).numel() * getattr(b, n).element_size()
+               for bs in optimizer._flat_buffers for b in bs for n in names if hasattr(b, n))
+
+
+@pytest.mark.parametrize("shape", [{}, {"hidden": 96, "intermediate": 200}], ids=["aligned", "odd-sizes"])
+def test_int8_optimizer_state_is_counted_as_the_optimizer_keeps_it(shape):
+    """``optimizer_state="int8"``: the persistent bytes and the predicted peak hold the 8-bit moments
+    (uint8 codes and an fp32 absmax per moment per 256 elements, each parameter padded to whole blocks)
+    instead of fp32 moments: lower by exactly the difference, which equals what the two FusedAdamWs
+    allocate. Trained with the 8-bit optimizer, the compiled model stays with eager's."""
+    from loracc.runtime.memory import optimizer_state_bytes
+
+    model, batch = presets.preset("llama", layers=2, seq=17, **shape)
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    fp32, int8 = (loracc.compile(copy.deepcopy(model), optimizer_state=s) for s in ("fp32", "int8"))
+    fp32_opt = loracc.FusedAdamW([p for p in fp32.parameters() if p.requires_grad], lr=1e-2)
+    int8_opt = loracc.FusedAdamW([p for p in int8.parameters() if p.requires_grad], lr=1e-2, state_dtype="int8")
+    eager_opt = loracc.FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, state_dtype="int8")
+    for _ in range(2):
+        losses = []
+        for m, opt in ((fp32, fp32_opt), (int8, int8_opt), (model, eager_opt)):
+            loss = m(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert rel_err(losses[1], losses[2]) <= 1e-5
+    for (name, p), (_, q) in zip(model.named_parameters(), int8.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q, p) <= 1e-5, name
+
+    blocks = sum(-(-n // 256) for n in sizes)
+    assert optimizer_state_bytes(sizes, "int8") == blocks * 256 * 2 + blocks * 2 * 4 == _moment_bytes(int8_opt)
+    assert optimizer_state_bytes(sizes, "fp32") == 8 * sum(sizes) <= _moment_bytes(fp32_opt)  # FusedAdamW aligns to 128 B
+    difference = 8 * sum(sizes) - (blocks * 256 * 2 + blocks * 2 * 4)
+    assert difference > 0
+    assert fp32._loracc.persistent_bytes - int8._loracc.persistent_bytes == difference
+    peaks = [loracc.explain(m).predicted_peak_bytes for m in (fp32, int8)]
+    assert peaks[0] - peaks[1] == difference
+
+
+def test_int8_optimizer_state_lowers_the_smallest_peak_a_byte_budget_names():
+    """Under a byte budget nothing meets, the refusal names the smallest peak possible: with
+    ``optimizer_state="int8"`` it is lower by exactly the moments' difference."""
+    from loracc.runtime.memory import optimizer_state_bytes
+
+    model, batch = presets.preset("llama", layers=3, **BIGGER)
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    needed = {}
+    for state in ("fp32", "int8"):
+        compiled = loracc.compile(copy.deepcopy(model), memory_budget=2**20 + 1, optimizer_state=state)
+        with pytest.raises(loracc.LoraccError, match=r"the step needs about [\d.]+ GiB \((\d+) bytes\)") as error:
+            compiled(**batch)
+        needed[state] = int(re.search(r"\((\d+) bytes\)", str(error.value))[1])
+    assert needed["fp32"] - needed["int8"] == optimizer_state_bytes(sizes, "fp32") - optimizer_state_bytes(sizes, "int8")
+
+
+@pytest.mark.parametrize("value", ["bf16", None, 8, "INT8"])
+def test_an_unknown_optimizer_state_is_refused_naming_the_choices(value):
+    model, _ = presets.preset("llama", layers=1)
+    with pytest.raises(loracc.LoraccError, match=r"optimizer_state must be one of \['fp32', 'int8'\]"):
+        loracc.compile(model, optimizer_state=value)
+    assert getattr(model, "_loracc", None) is None

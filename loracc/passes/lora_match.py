@@ -10,10 +10,18 @@ with ``W`` frozen, ``A``/``B`` LoRA weights, ``x'`` = ``x`` or anything computed
 it stays in the graph, so a dropout mask is drawn once and reused by the backward; a plain cast of
 ``x`` to the adapters' dtype is folded into the op, which does it itself), and an
 optional cast of ``y`` back to the base dtype, becomes ``lora_linear(x, W, b, A, B, s, x' or None)[0]``
-when its intermediates have no other users. Under autocast the traced graph casts every weight
-(and ``x``, once per linear) to the compute dtype before its ``linear``: ``W``, ``A``, ``B`` are
-then those casts (the op runs in the compute dtype, and autograd takes each gradient back through
-its cast, as in eager), and two casts of the same value to the same dtype count as one ``x``. LoRA weights left unmatched (another adapter type, a
+when its intermediates have no other users. ``W`` may be a quantized weight's decoding (an op of
+``quant.DEQUANTIZERS`` over the stored weight: NF4, FP8); the decoded value is the op's ``W``. PEFT's
+quantized LoRA layers (bitsandbytes 4-bit) write the same sum as ``clone(linear(x, W, b)) +
+cast(s · linear(linear(x', A), B))``: the clone is dropped (the add reads the same values), and the
+cast of the LoRA term to the base dtype before the add is folded, the op adding in the adapters'
+dtype and rounding once; over a 16-bit base with fp32 adapters that sum can differ from PEFT's by
+one rounding of the base dtype (in fp32 the cast is absent and the values are the same).
+
+Under autocast the traced graph casts every weight (and ``x``, once per linear) to the compute
+dtype before its ``linear``: ``W``, ``A``, ``B`` are then those casts (the op runs in the compute
+dtype, and autograd takes each gradient back through its cast, as in eager), and two casts of the
+same value to the same dtype count as one ``x``. LoRA weights left unmatched (another adapter type, a
 pattern not recognised) are reported with the reason; their layers keep their ATen ops, whose
 gradients autograd derives, so they stay correct. That includes a base weight stored transposed,
 ``(in, out)``, as transformers' ``Conv1D`` keeps it (GPT-2; PEFT's ``fan_in_fan_out``): its layer
@@ -30,7 +38,7 @@ import torch.fx as fx
 
 from ..ir.graph import INPUT_ROLES, info, placeholders, role
 from ..ir.ops import LORA_LINEAR
-from ..quant.nf4 import DEQUANT_NF4
+from ..quant import DEQUANTIZERS
 from . import PassResult
 from .contract import graph_problems, names, same_inputs, same_output_arity
 
@@ -106,10 +114,11 @@ def _linear(node, weight_role: str):
 
 def _frozen_weight_root(weight: fx.Node) -> fx.Node:
     """The graph input a frozen base weight is read from: through dtype casts (autocast) and, for a
-    quantized base, its decoding (``loracc::dequant_nf4(packed, ...)``: the packed weight). The decoded
+    quantized base, its decoding (any op of ``quant.DEQUANTIZERS``, ``loracc::dequant_nf4(packed, ...)``
+    or ``loracc::dequant_fp8(bits, ...)``, whose first argument is the stored weight). The decoded
     value stays the op's weight; its backward needs no gradient for it."""
     root = _uncast(weight)
-    if _is(root, DEQUANT_NF4):
+    if isinstance(root, fx.Node) and root.op == "call_function" and root.target in DEQUANTIZERS:
         root = root.args[0]
     return root
 
@@ -144,8 +153,10 @@ def _match_add(add: fx.Node):
     if not (_is(add, aten.add.Tensor) and len(add.args) == 2 and add.kwargs.get("alpha", 1) == 1):
         return None
     for base, branch in (add.args, reversed(add.args)):
-        base_parts = _linear(base, "frozen_weight")
-        lora_scaled, scale = _scaled(branch)
+        base_linear = _uncloned(base)
+        base_parts = _linear(base_linear, "frozen_weight")
+        cast = _branch_cast(branch, base)
+        lora_scaled, scale = _scaled(branch if cast is None else cast.args[0])
         b_parts = _linear(lora_scaled, "lora_B")
         if base_parts is None or b_parts is None or b_parts[2] is not None:
             continue
@@ -159,8 +170,11 @@ def _match_add(add: fx.Node):
             lora_in = x  # under autocast: the branch's own cast of x, to the same dtype
         elif _is_cast_of(lora_in, x) and _only_user(lora_in, u):
             lora_in = x  # the op casts x to the adapters' dtype itself (PEFT's fp32 adapters)
-        chain = [(base, add), (u, lora_scaled)] + ([(lora_scaled, branch)] if branch is not lora_scaled else [])
-        if not all(_only_user(n, user) for n, user in chain) or not _only_user(branch, add):
+        # Each intermediate, from the base GEMM and from the B GEMM to the add, read by the next alone.
+        base_chain = [base_linear] + ([base] if base is not base_linear else []) + [add]
+        branch_chain = [u, lora_scaled] + [n for n in (branch if cast is None else cast.args[0], cast)
+                                           if n is not None and n is not lora_scaled] + [add]
+        if not all(_only_user(n, user) for chain in (base_chain, branch_chain) for n, user in zip(chain, chain[1:])):
             continue
         if lora_in is not x and not _derived_from(lora_in, x) and not _derived_from(lora_in, _uncast(x)):
             continue
@@ -169,6 +183,39 @@ def _match_add(add: fx.Node):
             continue
         return end, x, weight, bias, lora_a, lora_b, scale, (None if lora_in is x else lora_in)
     return None
+
+
+def _uncloned(node):
+    """The value ``node`` copies when it is ``clone(v)`` (default memory format), else ``node``.
+
+    PEFT's bitsandbytes 4-bit LoRA layer clones its base output before adding the LoRA term
+    (``result = result.clone()``). ``cleanup`` drops such a clone only when its source is not a view,
+    so one stays behind a base layer with a bias (its traced GEMM ends in a view). The match then
+    needs ``v`` read by the clone alone and the clone by the add alone: the add reads the same values
+    from either, and the copy goes with the matched layer."""
+    if _is(node, aten.clone.default) and node.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format:
+        return node.args[0]
+    return node
+
+
+def _branch_cast(branch, base):
+    """The cast of the LoRA branch to the base output's dtype before the add, or None.
+
+    PEFT's bitsandbytes 4-bit LoRA layer (and its other quantized layers) cast the LoRA term, computed
+    in the adapters' dtype (fp32 beside a 16-bit base), to the base's dtype and then add
+    (``output.to(expected_dtype)``); its plain ``Linear`` adds first and casts the sum.
+    ``loracc::lora_linear`` does the latter: it adds in the adapters' dtype and rounds once, so over a
+    16-bit base its sum may differ from PEFT's 4-bit layer by one rounding of the base dtype (in fp32
+    there is no cast and the values are the same)."""
+    if not (isinstance(branch, fx.Node) and branch.target in CASTS and _is_cast_of(branch, branch.args[0])):
+        return None
+    source = branch.args[0]
+    if not isinstance(source, fx.Node) or not isinstance(base, fx.Node):
+        return None
+    dtype = branch.meta["val"].dtype
+    if dtype != base.meta["val"].dtype or source.meta["val"].dtype == dtype:
+        return None
+    return branch
 
 
 def _is_cast_of(node: fx.Node, x: fx.Node) -> bool:

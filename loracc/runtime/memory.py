@@ -1,12 +1,13 @@
 """Step memory: what a training step holds across steps, and its predicted peak before it runs.
 
 ``persistent_bytes`` counts what lives across steps (weights, buffers, LoRA gradients, AdamW's
-state). ``StepMemory`` owns the rest of the step's memory: from the persistent bytes and the
-compiled regions (each region's latest program, whose ``MemoryPlanReport`` it reads, and how many
-times a step runs it) it answers the two questions asked of step memory: the predicted peak
-(``StepMemory.predicted_peak_bytes``: ``loracc.explain`` reports it) and what the rest of the step
-holds while a region runs (``StepMemory.reserved_bytes``: a region's byte ``memory_budget`` plans
-against it). Graphs replayed as CUDA graphs add what they keep (``cuda_graph_bytes``).
+state as ``loracc.compile(optimizer_state=...)`` says the optimizer keeps it). ``StepMemory`` owns
+the rest of the step's memory: from the persistent bytes and the compiled regions (each region's
+latest program, whose ``MemoryPlanReport`` it reads, and how many times a step runs it) it answers
+the two questions asked of step memory: the predicted peak (``StepMemory.predicted_peak_bytes``:
+``loracc.explain`` reports it) and what the rest of the step holds while a region runs
+(``StepMemory.reserved_bytes``: a region's byte ``memory_budget`` plans against it). Graphs
+replayed as CUDA graphs add what they keep (``cuda_graph_bytes``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
+from ..options import INT8_STATE_BLOCK, parse_optimizer_state
 from ..passes.memory_plan import MemoryPlanReport, step_peak_bytes
 from ..pipeline import Program
 from .cuda_graphs import Replayer, routes
@@ -71,11 +73,32 @@ class StepMemory:
         return held
 
 
-def persistent_bytes(model: nn.Module) -> int:
-    """What lives across steps: parameters and buffers, plus a gradient and AdamW's two states for
-    every trainable parameter (each tensor counted once)."""
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
-    return sum(t.numel() * t.element_size() * (4 if t.requires_grad else 1) for t in tensors)
+def persistent_bytes(model: nn.Module, optimizer_state: str = "fp32") -> int:
+    """What lives across steps: every parameter and buffer (each tensor counted once), and for every
+    trainable parameter its gradient (in its dtype) and the optimizer's state as ``optimizer_state``
+    says it is kept (``optimizer_state_bytes``)."""
+    tensors = list({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
+    trainable = [t for t in tensors if t.requires_grad]
+    return (sum(t.numel() * t.element_size() for t in tensors) + sum(t.numel() * t.element_size() for t in trainable)
+            + optimizer_state_bytes([t.numel() for t in trainable], optimizer_state))
+
+
+def optimizer_state_bytes(sizes: Sequence[int], optimizer_state: str = "fp32") -> int:
+    """The bytes of AdamW's two moments for trainable parameters of ``sizes`` elements each, kept as
+    ``optimizer_state`` (``options.OPTIMIZER_STATES``) says:
+
+    - ``"fp32"``: 8 bytes per element (two fp32 moments, as ``FusedAdamW`` keeps them whatever the
+      parameters' dtype; ``torch.optim.AdamW`` keeps 16-bit parameters' moments in 16 bits, half of
+      that). ``FusedAdamW``'s alignment of each parameter to 128 bytes is not counted.
+    - ``"int8"``: each parameter padded to whole blocks of ``INT8_STATE_BLOCK`` elements (as
+      ``FusedAdamW(state_dtype="int8")`` lays them out), 2 bytes per element (two uint8 codes) and
+      8 bytes per block (one fp32 absmax per moment): exactly the buffers that optimizer allocates.
+    """
+    state = parse_optimizer_state(optimizer_state)
+    if state == "int8":
+        blocks = sum(-(-n // INT8_STATE_BLOCK) for n in sizes)
+        return blocks * (2 * INT8_STATE_BLOCK + 2 * 4)
+    return 8 * sum(sizes)
 
 
 def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:

@@ -30,6 +30,8 @@ absmax: 2 bytes of state per parameter instead of 8, in the same one-launch kern
 segment starts on a block, so no block mixes two parameters. ``state_dict()`` then holds, per
 parameter, ``step``, ``state1``/``state2`` (the uint8 codes) and ``absmax1``/``absmax2`` (bitsandbytes'
 names); a checkpoint with fp32 moments (torch's layout) loads into either mode, encoded or decoded.
+Tell ``loracc.compile`` (``optimizer_state="int8"``), so that the step's predicted peak and a byte
+``memory_budget`` count the 8-bit state instead of fp32 moments.
 
 Build the optimizer once the model is on its device and in its dtype: a later ``model.to(...)``
 moves the parameters out of the buffers, which ``step()`` reports.
@@ -43,6 +45,7 @@ import weakref
 import torch
 
 from ..errors import LoraccError
+from ..options import INT8_STATE_BLOCK, OPTIMIZER_STATES
 from ..quant.nf4 import dynamic_map
 
 Tensor = torch.Tensor
@@ -51,8 +54,8 @@ log = logging.getLogger("loracc")
 # Each parameter's segment starts on 128 bytes, so kernels reading a parameter see aligned rows.
 ALIGN_BYTES = 128
 BLOCK = 1024
-QBLOCK = 256  # elements per absmax of the 8-bit moments (bitsandbytes' blockwise 8-bit optimizers)
-STATE_DTYPES = ("fp32", "int8")
+QBLOCK = INT8_STATE_BLOCK  # elements per absmax of the 8-bit moments (bitsandbytes' blockwise 8-bit optimizers)
+STATE_DTYPES = OPTIMIZER_STATES  # loracc.compile(optimizer_state=...) names the same two
 KERNEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # torch.optim.AdamW's arguments that FusedAdamW does not implement, with the only value it accepts.
 FIXED_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
@@ -217,7 +220,8 @@ class FusedAdamW(torch.optim.Optimizer):
 
     ``amsgrad``, ``maximize``, ``capturable``, ``differentiable``, ``foreach`` and ``fused`` exist
     for signature compatibility and must keep their default values. ``state_dtype``: ``"fp32"``
-    (torch's moments) or ``"int8"`` (bitsandbytes' blockwise 8-bit moments; see the module docstring). Parameters with
+    (torch's moments) or ``"int8"`` (bitsandbytes' blockwise 8-bit moments; see the module docstring;
+    pass the same value as ``loracc.compile(optimizer_state=...)``). Parameters with
     ``requires_grad=False`` are kept in ``param_groups`` (as torch does) but are never updated.
     """
 
