@@ -13,7 +13,9 @@ in fp32 and rounded to their dtype after each op, as the eager ops do (a 0-dim f
 
 A group traced with symbolic batch and sequence sizes (``capture.trace.dynamic_dims``) gets a kernel
 generic in them: its leading dims and row count are run-time arguments (``R0``, ``R1``, …,
-``n_rows``), read at each call from the inputs' sizes; its last dims stay constants.
+``n_rows``), read at each call from the inputs' sizes; its last dims stay constants. Triton does not
+specialize on those sizes, nor on a stride that varies with them unless it is always a multiple of 16
+(``specialization_varies``), so no size compiles another kernel once one has run.
 """
 from __future__ import annotations
 
@@ -368,6 +370,11 @@ class RowKernel:
             if d > 0:
                 expression = f"({expression}) % {size}"
             index_lines.append(f"i{d} = {expression}")
+        # A stride that varies with the sizes and need not be a multiple of 16 (a [B, S, 1] value's
+        # batch stride S, say) is not specialized on, nor are the frame's sizes: one kernel serves every size.
+        traced_strides = self._strides(self.input_vals, self.output_vals)
+        self.unspecialized = ([f"R{d}" for d in range(len(rows))] + ["n_rows"] if self.symbolic else []) + [
+            name for name, stride in zip(emitter.strides, traced_strides) if specialization_varies(stride)]
         name = self._name(rows)
         self.name = name
         dtypes = sorted({str(v.dtype).replace("torch.", "") for v in self.output_vals})
@@ -382,6 +389,7 @@ class RowKernel:
             strides=emitter.strides,
             n_rows="n_rows" if self.symbolic else self.n_rows,
             sizes=[f"R{d}" for d in range(len(rows))] + ["n_rows"] if self.symbolic else [],
+            unspecialized=self.unspecialized,
             rows_shape=" × ".join(str(r) for r in rows) or "1",
             width=self.width,
             wide_offsets=wide_offsets,
@@ -461,6 +469,26 @@ class RowKernel:
             strides += [_compat.hint(r) for r in self.group.rows] + [self.n_rows]
         return self.kernel(device).warmup(*args, *strides, BLOCK_R=self.block_r, BLOCK_D=self.block_d,
                                           num_warps=self.num_warps, grid=(1,))
+
+
+def specialization_varies(value) -> bool:
+    """Whether Triton can specialize an integer argument traced as ``value`` differently from one call
+    to the next. Triton compiles a variant for an integer equal to 1 and one for a multiple of 16: a
+    constant always gets the same one, and so does an expression of the sizes (non-negative integers)
+    whose every coefficient is a multiple of 16 (``64*s1``: never 1, always a multiple of 16); any
+    other expression (``s1``, ``8*s1``, a division) may change, and must not be specialized on."""
+    if not _compat.is_symbolic(value):
+        return False
+    import sympy
+
+    expr = value.node.expr
+    if not expr.free_symbols:
+        return False
+    try:
+        poly = sympy.Poly(expr, *sorted(expr.free_symbols, key=str))
+    except sympy.PolynomialError:
+        return True
+    return not all(c.is_Integer and c % 16 == 0 for c in poly.coeffs())
 
 
 def _storage_in_int32(t) -> bool:

@@ -8,7 +8,9 @@ The forward and the input gradient of a LoRA linear are the same computation wit
 
 so ``LoraGemm`` describes one instance (which use, which sizes and dtypes, what the epilogue does),
 renders it, and launches it. Everything but the number of rows ``M`` is fixed in the rendered
-kernel; ``M`` stays a run-time argument so that sequence lengths do not each compile a kernel.
+kernel; ``M`` stays a run-time argument that Triton does not specialize on (``do_not_specialize``:
+it would compile again for ``M == 1`` and for ``M`` not a multiple of 16), so that no row count
+compiles another kernel.
 """
 from __future__ import annotations
 
