@@ -226,3 +226,18 @@ def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share storage."""
     return torch._C._is_alias_of(a, b)
 
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def autocast_off():
+    """Autocast disabled where it is on. A traced graph holds every cast autocast made while it was
+    traced (and none it did not make: a region that turned autocast off itself, as a router computing
+    in fp32 does): running or differentiating it under autocast again would cast some of its ops anew."""
+    with contextlib.ExitStack() as stack:
+        for device_type in AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield

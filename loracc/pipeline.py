@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch import nn
 
+from . import _compat
 from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint
 from .capture.trace_cache import Traced, cached_trace
 from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
@@ -158,7 +159,8 @@ def trace(module: nn.Module, path: str, signature: CallSignature, needs_grad: li
         gm = result.gm
         stages[pass_.__name__] = gm
         reports[pass_.__name__] = result.report
-    stages["joint"] = derive_joint(gm, needs_grad)
+    with _compat.autocast_off():  # the captured graph holds autocast's casts
+        stages["joint"] = derive_joint(gm, needs_grad)
     return Traced(captured, stages, reports)
 
 

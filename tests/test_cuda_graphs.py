@@ -198,6 +198,9 @@ class _FakeGraphed:
         self.replays += 1
         return self.fn(*inputs)
 
+    def reads_in_place(self, inputs):
+        return all(not in_place or a.data_ptr() == b.data_ptr() for in_place, a, b in zip(self.in_place, self.inputs, inputs))
+
 
 @pytest.fixture
 def fake_capture(monkeypatch):
@@ -641,3 +644,48 @@ def test_every_graph_of_a_pool_copies_its_inputs_into_the_same_buffers(fake_capt
     assert len(buffers) == 1  # each graph copies one input (x), all into one buffer
     two = pool.copy_buffers([x, x.clone(), torch.randn(2)], [False, False, True])
     assert two[0] is forwards[0].inputs[1] and two[1] is not two[0] and torch.equal(two[1], x)
+
+
+@gpu
+def test_a_backward_whose_weights_moved_runs_from_python_with_the_same_gradients():
+    """FSDP2 gathers a layer's weights into new memory for its backward: a backward graph must not
+    read the memory its forward's weights were in. Here each frozen weight's storage moves between
+    forward and backward (the same tensor, as FSDP2 resizes it): the backward runs from Python and
+    its gradients equal the run without graphs."""
+    model, batch = presets.preset("plain")
+    model = model.cuda()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    plain = loracc.compile(copy.deepcopy(model), backend="triton", cuda_graphs=False)
+    graphed = loracc.compile(model, backend="triton", cuda_graphs=True)
+
+    def move(m):
+        keep = []
+        with torch.no_grad():
+            for block in m.blocks:
+                for p in (block.up.weight, block.down.weight):
+                    saved = p.detach().clone()
+                    p.untyped_storage().resize_(0)
+                    keep.append(torch.empty_like(saved))  # holds the freed block: the next one is elsewhere
+                    p.untyped_storage().resize_(saved.numel() * saved.element_size())
+                    with torch.autograd._unsafe_preserve_version_counter(p):  # as FSDP2 refills it
+                        p.copy_(saved)
+        return keep
+
+    def gradients(m, moving):
+        steps = []
+        for step in range(5):
+            loss = m(**batch)
+            keep = move(m) if moving and step >= 3 else None
+            loss.backward()
+            steps.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            m.zero_grad(set_to_none=True)
+            del keep
+        return steps
+
+    for step, (got, want) in enumerate(zip(gradients(graphed, True), gradients(plain, False))):
+        assert got.keys() == want.keys() and want
+        for name in want:
+            assert rel_err(got[name], want[name]) <= 1e-6, (step, name)
+    (region,) = graphed._loracc.regions
+    backward = region.latest.backward
+    assert backward.kept and backward.moved_inputs > 0

@@ -228,3 +228,51 @@ def test_compiling_inside_saved_tensor_hooks_hides_the_trace_from_them():
         model(**batch).loss.backward()
     assert loracc.explain(model).regions[0].captures > 0
     assert seen and "FakeTensor" not in seen, sorted(set(seen))
+
+
+class _Fp32Router(nn.Module):
+    """A block that turns autocast off for part of its forward (a router computing in fp32)."""
+
+    def __init__(self, dim=48, r=4):
+        super().__init__()
+        self.up = loracc.LoRALinear(dim, dim, r=r, init_zero=False)
+        self.router = nn.Linear(dim, dim, bias=False).requires_grad_(False)
+
+    def forward(self, x):
+        h = self.up(x)
+        with torch.autocast("cpu", enabled=False):
+            gate = torch.softmax(30 * self.router(h.float()), dim=-1)  # sharp: bf16 logits would show
+        return x + (h * gate).to(x.dtype)
+
+
+class _Routers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Fp32Router() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.float().pow(2).mean()
+
+
+def test_a_region_that_turns_autocast_off_computes_in_fp32_when_compiled():
+    """The traced graph holds the casts autocast made (and none where the module turned it off): it
+    runs and is differentiated with autocast off, else its fp32 part would be cast to bf16 again."""
+    torch.manual_seed(0)
+    eager = _Routers()
+    compiled = loracc.compile(copy.deepcopy(eager))
+    x = torch.randn(2, 7, 48)
+    results = []
+    for model in (eager, compiled):
+        for _ in range(2):  # the second call runs the compiled program
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x)
+            loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    assert all(r.calls > 0 for r in loracc.explain(compiled).regions)
+    assert rel_err(loss_c, loss_e) <= 1e-6
+    for got, want in zip(grads_c, grads_e, strict=True):  # the LoRA branch's bf16 products: rounding apart
+        assert rel_err(got, want) <= 2e-2

@@ -163,6 +163,12 @@ LORA_LINEAR_BACKWARD = torch.ops.loracc.lora_linear_backward.default
 # and the backward skips the experts' weight gradient where the weights are frozen.
 
 
+def _no_autocast(t: Tensor):
+    """The products in the operands' own dtype: an op is called inside a graph that may run under
+    autocast, which would cast ``torch.mm``'s operands but not its ``out``."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _groups(offs: Tensor):
     start = 0
     for group, end in enumerate(offs.tolist()):  # one device synchronisation
@@ -174,8 +180,9 @@ def _groups(offs: Tensor):
 @torch.library.custom_op("loracc::grouped_mm", mutates_args=())
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     out = a.new_zeros((a.shape[0], b.shape[2]))
-    for group, start, end in _groups(offs):
-        torch.mm(a[start:end], b[group], out=out[start:end])
+    with _no_autocast(a):
+        for group, start, end in _groups(offs):
+            torch.mm(a[start:end], b[group], out=out[start:end])
     return out
 
 
@@ -189,11 +196,12 @@ def grouped_mm_backward(grad: Tensor, a: Tensor, b: Tensor, offs: Tensor, need_a
     """``(grad_a, grad_b)`` of ``grouped_mm``; an empty tensor for one not needed."""
     grad_a = torch.zeros_like(a) if need_a else None
     grad_b = torch.zeros_like(b) if need_b else None
-    for group, start, end in _groups(offs):
-        if need_a:
-            torch.mm(grad[start:end], b[group].t(), out=grad_a[start:end])
-        if need_b:
-            torch.mm(a[start:end].t(), grad[start:end], out=grad_b[group])
+    with _no_autocast(a):
+        for group, start, end in _groups(offs):
+            if need_a:
+                torch.mm(grad[start:end], b[group].t(), out=grad_a[start:end])
+            if need_b:
+                torch.mm(a[start:end].t(), grad[start:end], out=grad_b[group])
     return or_empty(grad_a, grad), or_empty(grad_b, grad)
 
 

@@ -169,6 +169,13 @@ class Graphed:
     def lends(self) -> bool:
         return self.lend_from < len(self.static_outputs)
 
+    def reads_in_place(self, inputs) -> bool:
+        """Whether ``inputs`` hold, where the graph reads its inputs in place, the very tensors it was
+        captured over (a wrapper that gathers a layer's weights into new memory at each call, as
+        FSDP2 does, hands its backward other tensors than its forward saw)."""
+        return all(not in_place or static.data_ptr() == t.data_ptr()
+                   for in_place, static, t in zip(self.in_place, self.static_inputs, inputs))
+
     def __call__(self, *inputs):
         for i, (static, t) in enumerate(zip(self.static_inputs, inputs)):
             if static.shape != t.shape or static.dtype != t.dtype:
@@ -238,6 +245,7 @@ class Replayer:
         if after is not None:
             after.follower = self
         self.failed: str | None = None
+        self.moved_inputs = 0  # calls run from Python: their in-place inputs were not the graph's
         self.decision: str | None = None
         self.python_s: list[float] = []  # mode "auto": the Python calls timed so far
         self.timing: tuple[float, float] | None = None  # mode "auto": (replay, Python) seconds measured
@@ -355,6 +363,12 @@ class Replayer:
         if key is _PYTHON:
             return self.fn(*inputs)
         graphed = self.copy_graph if key is None else self.layer_graphs.get(key)
+        if graphed is not None and not graphed.reads_in_place(inputs):
+            if not self.moved_inputs:
+                log.info("loracc: %s runs from Python where its inputs are not the tensors its graph reads in "
+                         "place (weights gathered into new memory at each call)", self.name)
+            self.moved_inputs += 1
+            return self.fn(*inputs)
         if graphed is None and self.follower is not None and self.follower.decision is None and self.mode == "auto":
             # Kept, but its backward has not decided: only the graph it measured replays meanwhile
             # (its leases let the backward measure), so that a backward that stays in Python drops

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .. import _compat
 from ..capture.trace import call_signature, module_state, tensor_key
 from ..errors import Unsupported
 from ..pipeline import Program, compile_call
@@ -47,7 +48,8 @@ log = logging.getLogger("loracc")
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: Program, *inputs):
-        results = program.forward(*inputs)
+        with _compat.autocast_off():  # the graphs hold the casts autocast made while they were traced
+            results = program.forward(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
@@ -63,10 +65,11 @@ class _RegionFunction(torch.autograd.Function):
         tangents = [g.contiguous() for g, d in zip(grad_outputs, program.differentiable) if d]
         lease = ctx.lease
         check_lease(lease)
-        if isinstance(program.backward, Replayer):
-            grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
-        else:
-            grads = program.backward(*ctx.saved_tensors, *tangents)
+        with _compat.autocast_off():
+            if isinstance(program.backward, Replayer):
+                grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
+            else:
+                grads = program.backward(*ctx.saved_tensors, *tangents)
         if lease is not None:
             lease.release()
         result = [None] * program.n_inputs
@@ -189,7 +192,10 @@ class Region:
             # their calls are served by this one where its guards admit them, else compile anew.
             for k in static:
                 del self.programs[k]
-        if not program.dynamic:  # a symbolic program runs from Python: a CUDA graph holds one set of sizes
+        if not program.dynamic and _gathers_weights(module):
+            _without_graphs(program, "runs from Python: FSDP2 (fully_shard) gathers this layer's weights into new "
+                                     "memory at each call, which a CUDA graph cannot read in place")
+        elif not program.dynamic:  # a symbolic program's graphs per size copy their inputs (sized_graphs)
             compiled = self.compiled_programs
             if len(compiled) >= AUTO_GRAPHED_SIGNATURES:
                 _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
@@ -232,6 +238,23 @@ class Region:
     def latest(self) -> Program | None:
         programs = [p for p in self.programs.values() if p is not None]
         return programs[-1] if programs else None
+
+
+def _gathers_weights(module: nn.Module) -> bool:
+    """Whether FSDP2 manages ``module`` (``fully_shard``): its weights are gathered into new memory
+    at each call, its forward's and its backward's alike."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _without_graphs(program: Program, why: str) -> None:
+    for stage in ("forward", "backward"):
+        fn = getattr(program, stage)
+        if isinstance(fn, Replayer):
+            fn.decision = why  # decided before its first call: it never captures
 
 
 def _without_auto_graphs(program: Program, why: str) -> None:
