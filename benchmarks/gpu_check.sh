@@ -77,8 +77,8 @@ for part in "${@:-tests}"; do
               BENCH_GIT_COMMIT=$commit timeout 200 python -m benchmarks step --workload llama-3-8b --method loracc \
                   --no-warm --timeout 180 --out "$OUT/nf4-bf16-base.json" 2>&1 | grep -A3 "^summary"
               limit=390 ;;
-        sdxl) what="--workload sdxl-unet --method peft-eager,peft-hf-ckpt,peft-compile,loracc" ;;
-        flux) what="--workload flux-dev-small --method peft-eager,peft-compile,loracc" ;;
+        sdxl) what="--workload sdxl-unet --method peft-eager,loracc,peft-hf-ckpt,peft-compile" ;;
+        flux) what="--workload flux-dev-small --method peft-eager,loracc,peft-compile" ;;
         esac
         BENCH_GIT_COMMIT=$commit timeout $limit python -m benchmarks step $what --no-warm --timeout $((limit - 90)) \
             --deadline $((limit - 20)) \
