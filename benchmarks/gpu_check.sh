@@ -25,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LORACC_CACHE_DIR=${LORACC_CACHE_DIR:-/tmp/loracc-cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LORACC_CACHE_DIR=${LORACC_CACHE_DIR:-/tmp/loracc-cache}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 commit=${BENCH_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 

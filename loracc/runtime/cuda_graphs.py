@@ -162,6 +162,7 @@ class Graphed:
             for j, k in self.routes.items():  # last: every read of the input buffer comes before
                 outputs[j] = self.static_inputs[k].copy_(outputs[j])
         self.static_outputs = outputs
+        self.addresses = tuple(t.data_ptr() for t in self.static_inputs)  # what the graph reads
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
         self.passthrough = [None if j in self.routes else ids.get(id(t)) for j, t in enumerate(self.static_outputs)]
 
@@ -170,11 +171,12 @@ class Graphed:
         return self.lend_from < len(self.static_outputs)
 
     def reads_in_place(self, inputs) -> bool:
-        """Whether ``inputs`` hold, where the graph reads its inputs in place, the very tensors it was
-        captured over (a wrapper that gathers a layer's weights into new memory at each call, as
-        FSDP2 does, hands its backward other tensors than its forward saw)."""
-        return all(not in_place or static.data_ptr() == t.data_ptr()
-                   for in_place, static, t in zip(self.in_place, self.static_inputs, inputs))
+        """Whether ``inputs`` are, where the graph reads its inputs in place, at the addresses it was
+        captured over. A graph reads addresses, not tensors: a wrapper that gathers a layer's weights
+        into new memory at each call (FSDP2, which also moves a tensor's own storage) hands its
+        backward other memory than its forward read."""
+        return all(not in_place or address == t.data_ptr()
+                   for in_place, address, t in zip(self.in_place, self.addresses, inputs))
 
     def __call__(self, *inputs):
         for i, (static, t) in enumerate(zip(self.static_inputs, inputs)):
@@ -182,9 +184,10 @@ class Graphed:
                 # copy_ would broadcast or cast silently; the region's guards should make this impossible
                 raise RuntimeError(f"CUDA graph input {i}: {t.dtype}{list(t.shape)}, captured for "
                                    f"{static.dtype}{list(static.shape)}")
-            if static.data_ptr() != t.data_ptr():
-                if self.in_place[i]:  # would overwrite another layer's weights or lent outputs
-                    raise RuntimeError(f"CUDA graph input {i} is not the tensor the graph was captured over")
+            if self.in_place[i]:
+                if t.data_ptr() != self.addresses[i]:  # the graph would read other memory (reads_in_place)
+                    raise RuntimeError(f"CUDA graph input {i} is not at the address the graph was captured over")
+            elif static.data_ptr() != t.data_ptr():
                 static.copy_(t)
         self.graph.replay()
         return [inputs[i] if i is not None else out if j >= self.lend_from or not isinstance(out, torch.Tensor)
