@@ -11,8 +11,13 @@ eagerly and under ``loracc.compile`` from the same weights. The outcome:
 - ``ERROR``: the compiled model raised where eager did not (the test fails);
 - ``SKIP``: the family cannot be built tiny on a CPU (the reason is recorded).
 
+Vision-language models (``VLMS``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3) are built from
+their configs with a tiny vision tower and language model, and trained on token ids with image
+tokens, images (``pixel_values``) and labels, with LoRA on the language model's projections
+(``LANGUAGE_MODEL_TARGETS``) and on every linear layer, vision tower included.
+
 ``python tests/family_sweep.py`` runs the whole sweep and writes ``docs/families.md``;
-``tests/test_families.py`` runs it as tests.
+``tests/test_families.py`` runs it as tests (``tests/test_vlm.py`` the vision-language models).
 """
 from __future__ import annotations
 
@@ -163,6 +168,8 @@ class Result:
     worst: float = 0.0  # the largest relative difference seen
     blocks_compiled: bool = False  # every decoder layer ran compiled (whatever the head did)
     details: list = field(default_factory=list)
+    # Per region of the compiled model: (kind, name, whether it ran compiled with no fallback).
+    regions: list = field(default_factory=list)
 
 
 def with_lora(model, task: str, **lora):
@@ -261,6 +268,7 @@ def compare(model, batch, family: str = "", task: str = "causal-lm", steps: int 
     compiled_calls = sum(r.calls for r in report.regions)
     blocks = [r for r in report.regions if r.kind in ("block", "model")]
     result.blocks_compiled = bool(blocks) and all(r.calls and not r.fallbacks for r in blocks)
+    result.regions = [(r.kind, r.name, bool(r.calls) and not r.fallbacks) for r in report.regions]
     if problems:
         result.outcome, result.reason, result.details = "WRONG", problems[0], problems
     elif fallbacks or other:
@@ -305,6 +313,177 @@ def run_family(model_type: str, task: str = "causal-lm") -> Result:
     return result
 
 
+# --- vision-language models ----------------------------------------------------------------------
+
+# Token ids of the images' placeholders, inside the tiny vocabulary (below them: text tokens).
+IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 120, 121, 122, 123
+TEXT_TOKENS = 100
+# LoRA on the language model only: its attention and MLP projections (the vision tower and the
+# projector between them stay frozen).
+LANGUAGE_MODEL_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def _tiny_text(**extra) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, **extra)
+
+
+def _image_batch(seq: int, image: slice, seed: int = 2, around: bool = False) -> tuple[dict, torch.Generator]:
+    """Token ids with the image tokens at ``image`` (and its start and end tokens around it where
+    ``around``), labels that ignore the image tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, TEXT_TOKENS, (BATCH, seq), generator=generator)
+    ids[:, image] = IMAGE_TOKEN
+    if around:
+        ids[:, image.start - 1], ids[:, image.stop] = VISION_START, VISION_END
+    labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
+    return {"input_ids": ids, "labels": labels}, generator
+
+
+def _build(cls_name: str, config, seed: int):
+    import transformers
+
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return getattr(transformers, cls_name)(config)
+
+
+# Qwen-VL multimodal RoPE over the tiny text heads (head_dim 16: 8 frequencies, split temporal/height/width).
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+
+
+def _qwen_image_batch(grid: tuple[int, int, int]) -> dict:
+    """A Qwen-VL batch: one image per row of ``grid`` = (frame pairs, rows, columns) patches of 4×4
+    pixels and 2 frames (``pixel_values`` flattened per patch), merged 2×2 into image tokens."""
+    frames, rows, columns = grid
+    tokens = frames * rows * columns // 4
+    batch, generator = _image_batch(8 + tokens, slice(4, 4 + tokens), around=True)
+    batch["pixel_values"] = torch.randn(BATCH * frames * rows * columns, 3 * 2 * 4 * 4, generator=generator)
+    batch["image_grid_thw"] = torch.tensor([list(grid)] * BATCH)
+    batch["mm_token_type_ids"] = (batch["input_ids"] == IMAGE_TOKEN).int()
+    return batch
+
+
+def _qwen_tokens() -> dict:
+    return dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                vision_end_token_id=VISION_END)
+
+
+def build_qwen2_vl(seed: int = 0, padded: bool = False):
+    """Qwen2-VL: one image per row (a 1×4×4 grid of patches, 4 tokens after the 2×2 merge);
+    multimodal RoPE, the positions 3-D ``(3, batch, seq)`` computed from ``image_grid_thw``.
+    ``padded``: the second row left-padded, with an ``attention_mask``."""
+    import transformers
+
+    config = transformers.Qwen2VLConfig(
+        text_config=_tiny_text(rope_parameters=MROPE),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        **_qwen_tokens())
+    model = _build("Qwen2VLForConditionalGeneration", config, seed)
+    batch = _qwen_image_batch((1, 4, 4))
+    if padded:
+        mask = torch.ones_like(batch["input_ids"])
+        mask[1, :2] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return model, batch
+
+
+def build_qwen2_5_vl(seed: int = 0):
+    """Qwen2.5-VL: as Qwen2-VL, with a windowed vision tower (2×2-token windows, its second block
+    global) over a 1×8×8 grid of patches (16 image tokens)."""
+    import transformers
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=_tiny_text(rope_parameters=MROPE),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+        **_qwen_tokens())
+    return _build("Qwen2_5_VLForConditionalGeneration", config, seed), _qwen_image_batch((1, 8, 8))
+
+
+def build_qwen3_vl(seed: int = 0):
+    """Qwen3-VL: interleaved multimodal RoPE, learned vision position embeddings, and the features of
+    its first vision block added to the language model's first layers' hidden states (deepstack)."""
+    import transformers
+
+    config = transformers.Qwen3VLConfig(
+        text_config=_tiny_text(head_dim=16, rope_parameters={**MROPE, "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        **_qwen_tokens())
+    return _build("Qwen3VLForConditionalGeneration", config, seed), _qwen_image_batch((1, 4, 4))
+
+
+def build_llava(seed: int = 0):
+    """LLaVA: a 2-layer CLIP vision tower (16×16 pixels, 16 patches: 16 image tokens; the features of
+    its second-to-last layer) and a 2-layer Llama."""
+    import transformers
+
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=16, patch_size=4, projection_dim=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", **_tiny_text()),
+                                      image_token_index=IMAGE_TOKEN, image_seq_length=16, vision_feature_layer=-2)
+    model = _build("LlavaForConditionalGeneration", config, seed)
+    batch, generator = _image_batch(24, slice(2, 18))
+    batch["pixel_values"] = torch.randn(BATCH, 3, 16, 16, generator=generator)
+    return model, batch
+
+
+def build_gemma3(seed: int = 0, final_logit_softcapping: float | None = None):
+    """Gemma 3: a 2-layer SigLIP vision tower (16 patches pooled to 4 image tokens) and a Gemma 3
+    language model with one sliding-window layer (window 4) and one global one; ``token_type_ids``
+    mark the image tokens, which attend to each other both ways."""
+    import transformers
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=16, patch_size=4)
+    text = dict(model_type="gemma3_text", **_tiny_text(
+        head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=final_logit_softcapping, query_pre_attn_scalar=16))
+    config = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
+                                       image_token_index=IMAGE_TOKEN, boi_token_index=VISION_START,
+                                       eoi_token_index=VISION_END)
+    model = _build("Gemma3ForConditionalGeneration", config, seed)
+    batch, generator = _image_batch(16, slice(4, 8), around=True)
+    batch["pixel_values"] = torch.randn(BATCH, 3, 16, 16, generator=generator)
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE_TOKEN).long()
+    return model, batch
+
+
+# name → (transformers class, builder returning (model, batch)).
+VLMS = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", build_qwen2_vl),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", build_qwen2_5_vl),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", build_qwen3_vl),
+    "llava": ("LlavaForConditionalGeneration", build_llava),
+    "gemma3": ("Gemma3ForConditionalGeneration", build_gemma3),
+}
+# LoRA placements: the language model's projections, or every linear layer (vision tower and projector too).
+VLM_TARGETS = {"language-model": LANGUAGE_MODEL_TARGETS, "all-linear": "all-linear"}
+
+
+def run_vlm(name: str, targets: str = "language-model", **build) -> Result:
+    """A vision-language model trained eagerly and compiled (``compare``), its task ``vlm/<targets>``."""
+    import transformers
+
+    start = time.perf_counter()
+    result = Result(name, f"vlm/{targets}", "SKIP")
+    cls_name, builder = VLMS[name]
+    if not hasattr(transformers, cls_name):
+        return _skip(result, f"transformers {transformers.__version__} has no {cls_name}", start)
+    try:
+        model, batch = builder(**build)
+    except Exception as exc:  # noqa: BLE001 - recorded as the reason it is skipped
+        return _skip(result, f"cannot be built tiny: {type(exc).__name__}: {_first_line(exc)}", start)
+    model = with_lora(model, "causal-lm", target_modules=VLM_TARGETS[targets])
+    result = compare(model, batch, name, f"vlm/{targets}")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
 def causal_lm_families() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -333,7 +512,57 @@ def summary(results: list[Result]) -> dict:
             "causal_blocks_compiled": blocks}
 
 
-def markdown(results: list[Result], seconds: float) -> str:
+def vlm_sweep(names=None, log=print) -> list[Result]:
+    """Every vision-language model of ``VLMS`` (or ``names``) with each LoRA placement of ``VLM_TARGETS``."""
+    results = []
+    for name in names or VLMS:
+        for targets in VLM_TARGETS:
+            result = run_vlm(name, targets)
+            results.append(result)
+            log(f"{result.outcome:8s} {name:26s} {result.task:24s} {result.seconds:6.1f}s {result.reason[:160]}")
+    return results
+
+
+def vlm_parts(result: Result) -> tuple[str, str]:
+    """(language-model layers, vision tower) of a vision-language model's run: ``compiled``, ``eager``
+    (with a warning) or, for a vision tower with no LoRA and so no region, ``eager (frozen)``."""
+    def state(regions):
+        if not regions:
+            return "eager (frozen)"
+        return ("compiled" if all(ok for _, _, ok in regions) else "eager" if not any(ok for _, _, ok in regions)
+                else "partly compiled")
+
+    blocks = [r for r in result.regions if r[0] == "block"]
+    language = [r for r in blocks if "language_model" in r[1]]
+    return state(language) if language else "no region", state([r for r in blocks if r not in language])
+
+
+def vlm_markdown(results: list[Result]) -> list[str]:
+    lines = [
+        "",
+        "## Vision-language models",
+        "",
+        "Each vision-language model (`*ForConditionalGeneration`) is built from its config with a 2-layer vision tower",
+        "and a 2-layer language model (hidden 64, vocabulary 128, random weights) and trained as above on token ids with",
+        "image tokens, images (`pixel_values`; Qwen-VL's `image_grid_thw`, from which its 3-D multimodal-RoPE positions",
+        "are computed; Gemma 3's `token_type_ids`) and labels, with LoRA on the language model's `q/k/v/o/gate/up/down_proj`",
+        "(*language-model*) or on every linear layer (*all-linear*). The language model's layers are block regions",
+        "(Gemma 3's sliding-window and global layers one each); a vision tower with LoRA is a region of its own (*eager*:",
+        "it runs eagerly, with a warning saying why; *partly compiled*: Qwen3-VL's feature mergers are, its blocks are not),",
+        "one without runs eagerly (*frozen*). The head (final norm, `lm_head`, loss) is the model's own forward and runs",
+        "eagerly: loracc's fused head is for `*ForCausalLM` models.",
+        "",
+        "| model | LoRA on | outcome | language-model layers | vision tower | LoRA layers fused | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        reason = r.reason.replace("|", "\\|").replace("\n", " ")
+        language, vision = ("-", "-") if r.outcome == "SKIP" else vlm_parts(r)
+        lines.append(f"| {r.family} | {r.task.split('/', 1)[1]} | {r.outcome} | {language} | {vision} | {r.fused or '-'} | {reason} |")
+    return lines
+
+
+def markdown(results: list[Result], seconds: float, vlms: list[Result] = ()) -> str:
     import peft
     import transformers
 
@@ -375,6 +604,8 @@ def markdown(results: list[Result], seconds: float) -> str:
             reason = f"{reason} (known: {KNOWN[r.family]})"
         layers = "-" if r.outcome == "SKIP" else ("yes" if r.blocks_compiled else "no")
         lines.append(f"| {r.family} | {r.task} | {r.outcome} | {layers} | {r.fused or '-'} | {reason} |")
+    if vlms:
+        lines += vlm_markdown(list(vlms))
     return "\n".join(lines) + "\n"
 
 
@@ -384,17 +615,23 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="model types to run (default: all)")
+    parser.add_argument("--vlm", action="store_true", help="run only the vision-language models (VLMS, or those named)")
     parser.add_argument("--output", default=str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "families.md"))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     start = time.perf_counter()
-    results = sweep(args.families or None, () if args.families else CLASSIFIERS)
+    if args.vlm:
+        results, vlms = [], vlm_sweep(args.families or None)
+    else:
+        results = sweep(args.families or None, () if args.families else CLASSIFIERS)
+        vlms = [] if args.families else vlm_sweep()
     seconds = time.perf_counter() - start
-    if not args.families:
-        pathlib.Path(args.output).write_text(markdown(results, seconds))
+    if not args.families and not args.vlm:
+        pathlib.Path(args.output).write_text(markdown(results, seconds, vlms))
         print(f"wrote {args.output}")
-    print(summary(results))
+    print(summary(results + vlms))
     unexpected = [r for r in results if r.outcome in ("WRONG", "ERROR") and r.family not in KNOWN]
+    unexpected += [r for r in vlms if r.outcome in ("WRONG", "ERROR")]
     return 1 if unexpected else 0
 
 

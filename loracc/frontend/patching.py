@@ -146,11 +146,12 @@ def cache_changes_the_mask(module: nn.Module, call: dict) -> bool:
     restart within a row, as ``DataCollatorWithFlattening`` makes them, with no ``attention_mask``):
     eager then attends across the packed sequences, while without a cache each attends only to
     itself. Such a call runs eagerly, as it would without loracc, with a warning saying how to
-    compile it (``use_cache=False``, which keeps the sequences apart)."""
+    compile it (``use_cache=False``, which keeps the sequences apart). Only the positions the mask
+    reads count (``_positions_the_mask_reads``: not multimodal RoPE's rows of image positions)."""
     config = getattr(module, "config", None)
-    positions = call.get("position_ids")
     if not getattr(config, "use_cache", False) or call.get("attention_mask") is not None:
         return False
+    positions = _positions_the_mask_reads(module, call.get("position_ids"))
     if call.get("past_key_values") is not None or not isinstance(positions, torch.Tensor) or positions.shape[-1] < 2:
         return False
     packed = bool((positions[..., 1:] - positions[..., :-1] != 1).any())
@@ -164,3 +165,22 @@ def cache_changes_the_mask(module: nn.Module, call: dict) -> bool:
             stacklevel=4,
         )
     return packed
+
+
+def _positions_the_mask_reads(module: nn.Module, positions):
+    """The position ids among ``positions`` in which ``module``'s mask may look for packed sequences.
+
+    ``(batch, seq)`` positions: all of them. Multimodal RoPE's ``(axes, batch, seq)`` positions
+    (Qwen2-VL and the models built like it): an image's tokens share a temporal position and count
+    rows and columns, so these rows are never consecutive, and the mask does not read them. A
+    decoder whose forward follows transformers' convention for them (a local ``text_position_ids``:
+    ``position_ids[0]`` where a text row is prepended to the three RoPE rows, else None) hands the
+    mask row 0 of four or more rows and nothing of three: that is what is returned (None: nothing).
+    Any other decoder: every row, as a decoder that handed them all to its mask would read them (a
+    call that looks packed then runs eagerly, which is never wrong)."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
+        return positions
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    if code is None or "text_position_ids" not in code.co_varnames:
+        return positions
+    return positions[0] if positions.shape[0] >= 4 else None

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..capture.trace import RUN_HOOKS, module_fingerprint
+from ..capture.trace import module_fingerprint
 from ..ir.graph import param_role
 from ..runtime.memory import StepMemory
 from ..runtime.region import Region
+from . import hf_output_hooks
 from .hf_causal_lm import HeadForward, causal_lm
 from .patching import EAGER, LAYER_CALLS, CompiledForward, eager_signature, patch, patch_use_cache
 
@@ -119,9 +120,19 @@ class _BlockForward(CompiledForward):
     def __init__(self, region: Region, module: nn.Module, path: str):
         self.region, self.module, self.path = region, module, path
         # The hooks inside the module run in its traced graph, and grouped it with its region's
-        # other layers: a change to them after this point runs the module eagerly.
-        self.hooks = [getattr(m, key) for m in list(module.modules())[1:] for key in RUN_HOOKS]
-        self.hook_counts = tuple(map(len, self.hooks))
+        # other layers: a change to them after this point runs the module eagerly. In a layer,
+        # transformers' output-capturing hooks, which it installs during a forward, are not counted:
+        # a call in which one would record runs eagerly, any other runs compiled without them
+        # (hf_output_hooks). A module that is (or holds) a transformers model sets the collector they
+        # record into inside its own forward: every hook counts there, and its capture refuses them.
+        self.hides_recording = region.kind == "block" and not any(map(_is_hf_model, module.modules()))
+        self.hooks = [getattr(m, key) for m, key in hf_output_hooks.inner_hook_dicts(module)]
+        self.hook_counts = self._hook_counts()
+        # Per lengths of the hook dictionaries: (their hooks counted, the recording ones inside).
+        self._seen: tuple = ((), (), [])
+
+    def _hook_counts(self) -> tuple[int, ...]:
+        return hf_output_hooks.own_counts(self.hooks) if self.hides_recording else tuple(map(len, self.hooks))
 
     def __call__(self, *args, **kwargs):
         eager = type(self.module).forward.__get__(self.module)
@@ -130,10 +141,25 @@ class _BlockForward(CompiledForward):
             calls[id(self.module)] = calls.get(id(self.module), 0) + 1
         if EAGER.get():
             return eager(*args, **kwargs)
-        if tuple(map(len, self.hooks)) != self.hook_counts:
-            self.region._fall_back(self.path, "hooks inside it were added or removed after loracc.compile "
-                                              "(compile after registering them)")
-            return eager(*args, **kwargs)
+        if any(self.hooks):
+            lengths = tuple(map(len, self.hooks))
+            if self._seen[0] != lengths:
+                recording = hf_output_hooks.recording_keys(self.module) if self.hides_recording else []
+                self._seen = lengths, self._hook_counts(), recording
+            _, counts, recording = self._seen
+            if counts != self.hook_counts:
+                self.region._fall_back(self.path, "hooks inside it were added or removed after loracc.compile "
+                                                  "(compile after registering them)")
+                return eager(*args, **kwargs)
+            if recording:
+                firing = hf_output_hooks.firing(recording)
+                if firing:
+                    self.region._fall_back(self.path, f"transformers records the output of {', '.join(firing)} "
+                                                      "with a hook in this call (output_attentions, output_router_logits, "
+                                                      "...), which a compiled graph would not run")
+                    return eager(*args, **kwargs)
+                with hf_output_hooks.hidden(self.module):
+                    return self.region.run(self.module, self.path, eager, args, kwargs)
         return self.region.run(self.module, self.path, eager, args, kwargs)
 
     @property
@@ -176,7 +202,16 @@ def _stage(model: nn.Module, list_path: str) -> str:
 
 
 def _group_layers(layers):
+    """Layers grouped by structure (``module_fingerprint``); transformers' output-capturing hooks, which
+    differ from layer to layer and record nothing in a compiled call, are left out of it."""
     groups: dict = {}
     for index, layer in layers:
-        groups.setdefault(module_fingerprint(layer, index), []).append((index, layer))
+        with hf_output_hooks.hidden(layer, root=True):
+            fingerprint = module_fingerprint(layer, index)
+        groups.setdefault(fingerprint, []).append((index, layer))
     return list(groups.values())
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (by class name: no import of transformers)."""
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
