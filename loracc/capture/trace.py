@@ -12,6 +12,7 @@ is loracc's own backward op by construction; LayerNorm is differentiated as its 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from .. import _compat
 from ..errors import Unsupported
 from ..ir.graph import info, output_node, param_role, placeholders
 from ..ir.ops import GROUPED_MM
+
+log = logging.getLogger("loracc")
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Attributes that differ between otherwise identical layers without changing their training graph.
@@ -203,8 +206,23 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     hooks = {name: module.__dict__[name] for name in ROOT_HOOKS if module.__dict__.get(name)}
     module.__dict__.update({name: type(value)() for name, value in hooks.items()})
     try:
-        with _SourceTracker(module, module_path), _without_cudnn_attention(dynamic):
-            gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
+        try:
+            with _SourceTracker(module, module_path), _without_cudnn_attention(dynamic):
+                gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
+        except Unsupported:
+            raise
+        except Exception as exc:
+            if not dynamic:
+                raise
+            # Flash and memory-efficient attention do not trace with symbolic sizes on every torch
+            # version and shape ("SymIntArrayRef expected to contain only concrete integers"): the
+            # graph keeps PyTorch's choice of backend then, on fresh symbols.
+            log.info("symbolic trace of %s without cuDNN attention failed (%s: %s); traced with PyTorch's backends",
+                     module_path, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            examples, captured.shape_env = _compat.symbolic_fakes(state + signature.tensors, dims)
+            captured.fakes = examples
+            with _SourceTracker(module, module_path):
+                gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
     except Unsupported:
         raise
     except Exception as exc:  # anything the tracer cannot follow runs eagerly
