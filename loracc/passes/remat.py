@@ -85,14 +85,37 @@ def saving_everything():
         _save_everything = previous
 
 
-def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 1, reserved_bytes: int | None = None) -> PassResult:
+@dataclass(frozen=True)
+class Reserve:
+    """What the rest of a step holds while a region runs, for the region's byte budget
+    (``runtime.memory.StepMemory.reserved_bytes`` gives it).
+
+    ``held``: bytes alive the whole time the region runs (weights, gradients, optimizer state, what
+    the other regions save for their backward). ``workspace``: the largest transient of another
+    region's run (its forward's or backward's own temporaries, incoming gradients included), which
+    never coexists with this region's own: regions run one after another, so the step's peak takes
+    the larger of the two workspaces, not their sum (``memory_plan.step_peak_bytes``).
+    """
+
+    held: int
+    workspace: int = 0
+
+    def peak(self, region_peak: int, region_held: int) -> int:
+        """The step's peak with a region whose own step peak (``step_peak_bytes`` of it alone) is
+        ``region_peak``, of which ``region_held`` (its saved bytes times its runs) is held across it."""
+        return self.held + max(region_peak, region_held + self.workspace)
+
+
+def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 1,
+          reserved_bytes: int | Reserve | None = None) -> PassResult:
     """Mark the cut for ``budget`` (anything ``parse_budget`` takes) on ``joint``.
 
     A byte limit needs ``repeats`` (how many times a step runs this region: its number of layers) and
-    ``reserved_bytes`` (what the rest of the step holds meanwhile: weights, gradients, optimizer
-    state, other regions' saved values): the plan is the fastest whose step peak, ``reserved_bytes``
-    plus ``memory_plan.step_peak_bytes`` of this region, fits. ``LoraccError`` if none fits, naming
-    the peak that recomputing everything possible reaches.
+    ``reserved_bytes`` (what the rest of the step holds meanwhile: a ``Reserve``, or an int of bytes
+    all held throughout): the plan is the fastest whose step peak fits: the reserve's held bytes,
+    this region's saved bytes times ``repeats``, and the larger of this region's workspace and the
+    reserve's (``Reserve.peak``; ``memory_plan.step_peak_bytes``). ``LoraccError`` if none fits,
+    naming the peak that recomputing everything possible reaches.
     """
     start = time.perf_counter()
     budget = parse_budget(budget)
@@ -108,18 +131,26 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
                 "memory_budget as a byte limit needs the bytes the rest of the step holds (weights, optimizer "
                 "state, other regions), which this caller did not give; use a fraction such as memory_budget=0.5"
             )
-        plan = problem.search(lambda p: reserved_bytes + problem.peak(p, repeats) <= budget.limit_bytes)
-        peak = reserved_bytes + problem.peak(plan, repeats)
+        reserve = reserved_bytes if isinstance(reserved_bytes, Reserve) else Reserve(reserved_bytes)
+
+        def step_peak(p: Plan) -> int:
+            return reserve.peak(problem.peak(p, repeats), repeats * p.saved_bytes)
+
+        plan = problem.search(lambda p: step_peak(p) <= budget.limit_bytes)
+        peak = step_peak(plan)
         if peak > budget.limit_bytes:
             raise LoraccError(
                 f"memory_budget {budget.limit_bytes / 2**30:.3f} GiB cannot be met: even recomputing everything "
                 f"possible in this region, the step needs about {peak / 2**30:.3f} GiB ({peak} bytes) with "
-                f"{repeats} run(s) of it, of which {reserved_bytes / 2**30:.3f} GiB are weights, gradients, "
-                f"optimizer state and what the other regions save (blocks plan before the head, with an "
-                f"estimate of the head's share); raise the budget, give a fraction such as "
-                f"memory_budget=0.1, or shorten the batch or the sequences"
+                f"{repeats} run(s) of it, of which {reserve.held / 2**30:.3f} GiB are weights, gradients, "
+                f"optimizer state and what the other regions save, and the largest of this region's and the "
+                f"other regions' workspaces (blocks plan before the head, with an estimate of the head's "
+                f"share) the rest; raise the budget, give a fraction such as memory_budget=0.1, or shorten "
+                f"the batch or the sequences"
             )
         report["predicted peak bytes"] = peak
+        report["reserved held bytes"] = reserve.held
+        report["reserved workspace bytes"] = reserve.workspace
     else:
         plan = fastest
     problem.mark(plan)

@@ -21,6 +21,7 @@ from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
 from ..options import INT8_STATE_BLOCK, parse_optimizer_state
 from ..passes.memory_plan import MemoryPlanReport, step_peak_bytes
+from ..passes.remat import Reserve
 from ..pipeline import Program
 from .cuda_graphs import Replayer, routes
 
@@ -54,23 +55,46 @@ class StepMemory:
         runs = self.runs()
         return predicted_peak_bytes(runs, self.persistent_bytes) if runs else None
 
-    def reserved_bytes(self, region: Region, tensors: list) -> int:
+    def reserved_bytes(self, region: Region, tensors: list) -> Reserve:
         """What the rest of the step holds while ``region`` runs its call of ``tensors`` (its byte
-        budget's reserve, ``passes.remat``): the persistent bytes, what the other compiled regions
-        save for the backward (times their repeats), and, for a block while the head is not compiled
-        yet (blocks compile first), an estimate of the fused head's share from the block's input
-        ``tensors[0]`` (the hidden state): its saved hidden state and hidden gradient, and one loss
-        chunk's temporaries (counted on top of the block's own workspace, although the two never
-        coexist: conservative). The head then plans against the exact bytes. Never less than
-        ``persistent_bytes``."""
-        held = self.persistent_bytes + sum(_memory(p).forward.saved_bytes * repeats for p, repeats in self.runs(region))
+        budget's reserve, ``passes.remat``), split as the step's peak counts it
+        (``memory_plan.step_peak_bytes``): ``held``, the persistent bytes and what the other compiled
+        regions save for the backward (times their repeats), alive throughout; ``workspace``, the
+        largest transient of another compiled region's run (its own temporaries and incoming
+        gradients), which never coexists with ``region``'s own, so the budget takes the larger of the
+        two rather than their sum. For a block while the head is not compiled yet (blocks compile
+        first), the fused head counts by its estimate from the block's input ``tensors[0]`` (the
+        hidden state, ``head_estimate``). The head then plans against the blocks' exact bytes.
+        ``held`` is never less than ``persistent_bytes``."""
+        held, workspace = self.persistent_bytes, 0
+        for program, repeats in self.runs(region):
+            memory = _memory(program).region(repeats)
+            saved = repeats * memory.saved_bytes
+            held += saved
+            workspace = max(workspace, step_peak_bytes([memory]) - saved)
         head = next((r for r in self.regions if r.kind == "head"), None)
         if region.kind == "block" and head is not None and head.latest is None and tensors and self.head_vocab:
-            hidden = tensors[0]
-            rows = hidden.numel() // hidden.shape[-1]
-            held += 2 * hidden.numel() * hidden.element_size() + cross_entropy.workspace_bytes(
-                self.head_vocab, cross_entropy.chunk_rows_for(self.head_vocab, rows), hidden.dtype)
-        return held
+            estimate = head_estimate(tensors[0], self.head_vocab)
+            held += estimate.held
+            workspace = max(workspace, estimate.workspace)
+        return Reserve(held, workspace)
+
+
+def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:
+    """A fused causal-LM head's share of the step before it is compiled, from its input ``hidden``
+    (rows × hidden size) and its ``vocab``: ``held``, the most it saves for its backward (the hidden
+    state and the hidden states' gradient, which ``loracc::linear_cross_entropy`` computes in the
+    forward); ``workspace``, the temporaries of its forward or, when a budget has it recompute the
+    loss in the backward, of its backward, at their peak inside the loss: one loss chunk's
+    (``cross_entropy.workspace_bytes``), the final norm's values around it (at most three of the
+    hidden state's size in fp32: its upcast input, its normalised output, their 16-bit casts and the
+    hidden gradient) and 16 bytes a row (the shifted labels, the norm's fp32 scale and its gradient's).
+    An upper bound of the compiled head's bytes as ``step_peak_bytes`` splits them: its saved bytes
+    are at most ``held``, its saved bytes and workspace together at most ``held + workspace``."""
+    rows = hidden.numel() // hidden.shape[-1]
+    chunk = cross_entropy.workspace_bytes(vocab, cross_entropy.chunk_rows_for(vocab, rows), hidden.dtype)
+    return Reserve(held=2 * hidden.numel() * hidden.element_size(),
+                   workspace=chunk + 3 * hidden.numel() * 4 + 16 * rows)
 
 
 def persistent_bytes(model: nn.Module, optimizer_state: str = "fp32") -> int:
