@@ -25,6 +25,7 @@ from .capture.trace_cache import Traced, cached_trace
 from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
 from .errors import LoraccError
 from .passes import CONTRACTS, FORWARD_PASSES, PassResult, fusion, memory_plan, partition, remat
+from .passes.remat import Reserve
 from .passes.memory_plan import MemoryPlanReport
 
 
@@ -56,7 +57,7 @@ class Program:
 
 def compile_call(
     module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
-    memory_budget=None, repeats: int = 1, reserved_bytes: int | None = None, dynamic: bool = False,
+    memory_budget=None, repeats: int = 1, reserved_bytes: Reserve | int | None = None, dynamic: bool = False,
 ) -> Program:
     """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
 

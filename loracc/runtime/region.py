@@ -26,6 +26,7 @@ from torch import nn
 from .. import _compat
 from ..capture.trace import call_signature, module_state, tensor_key
 from ..errors import Unsupported
+from ..passes.remat import Reserve
 from ..pipeline import Program, compile_call
 from . import verify as verification
 from .cuda_graphs import Replayer, check_lease, share_decisions
@@ -94,7 +95,7 @@ class Region:
     backend: object
     memory_budget: object = None
     # What the rest of the step holds while this region runs, given the region and the call's tensors.
-    reserved_bytes: Callable[["Region", list], int] | None = None
+    reserved_bytes: Callable[["Region", list], Reserve | int] | None = None
     programs: dict = field(default_factory=dict)  # call key → its program (None: runs eagerly)
     dynamic_programs: list = field(default_factory=list)  # the symbolic programs, in compile order
     captures: int = 0
