@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -211,6 +212,39 @@ def test_a_second_process_reads_what_the_first_wrote(cache_dir):
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout.strip().splitlines()[-1])
     assert outputs == ["[False, False, False]", "[True, True, True]"]
+
+
+def test_an_entry_written_by_another_checkout_of_loracc_is_not_read(cache_dir, tmp_path):
+    """Another checkout (another commit: here a copy of the package with one file edited) shares
+    the cache folder: what it traced is not read by this loracc, which traces again, and each
+    still reads its own entries back."""
+    other = tmp_path / "other"
+    shutil.copytree(Path(loracc.__file__).parent, other / "loracc", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "loracc" / "passes" / "cleanup.py", "a") as f:
+        f.write("\n# another commit\n")
+    code = textwrap.dedent("""
+        import loracc
+        from loracc.tools import presets
+        model, batch = presets.preset("llama")
+        loracc.compile(model, backend="eager")
+        model(**batch).loss.backward()
+        print(loracc.__file__)
+        print([p.reports["trace_cache"]["hit"] for r in model._loracc.regions for p in r.programs.values()])
+    """)
+
+    def run_other():
+        env = {**os.environ, "LORACC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(other)}
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        file, hits = done.stdout.strip().splitlines()[-2:]
+        assert Path(file).parent == other / "loracc"
+        return hits
+
+    assert run_other() == "[False, False, False]"
+    assert [r["hit"] for r in step()["reports"]] == [False, False, False]  # this loracc traces again
+    assert [r["hit"] for r in step()["reports"]] == [True, True, True]
+    assert run_other() == "[True, True, True]"
+    assert len(list((cache_dir / "graphs").glob("*.json"))) == 6
 
 
 def round_trip(value):

@@ -17,9 +17,14 @@ An entry is used only when everything its trace depended on is as it was (``trac
   configurations as their ``to_dict()``, functions by their code and anything else by type;
 - the code: every function the module tree's classes define (by their bytecode), the globals of the
   Python modules they are defined in (a function replaced there at run time changes the key); the
-  Python, torch, transformers and peft versions. And, checked when the entry is read: the size and
-  modification time of the source file of every module of loracc, transformers, peft and the
-  classes' own packages (a user's package or script) that was loaded when the entry was written.
+  Python, torch, transformers and peft versions;
+- which loracc reads it (``loracc_source``): the running loracc's package folder and a digest of
+  its ``.py`` files' relative paths and contents, taken once per process. An entry written by
+  another checkout or another version of loracc sharing the cache folder never matches;
+- where each package whose files the trace runs is loaded from (loracc, transformers, peft and the
+  classes' own packages: a user's package or script), so that the stamps below are those of the
+  files the reader runs. And, checked when the entry is read: the size and modification time of the
+  source file of every module of those packages that was loaded when the entry was written.
 
 Code that none of these reaches (a function patched into some other module at run time,
 environment variables the model's code reads while tracing) is not seen: set
@@ -38,6 +43,7 @@ that calls something else is not cached. The folder is private to the user
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -106,7 +112,7 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
         return trace(), {"hit": False, "why": "LORACC_TRACE_CACHE=0"}
     try:
         packages = _packages(module)
-        entry = cache_folder("graphs") / f"{trace_key(module, path, signature)}.json"
+        entry = cache_folder("graphs") / f"{trace_key(module, path, signature, packages)}.json"
     except Uncacheable as exc:
         return trace(), {"hit": False, "why": str(exc)}
     data = read_json(entry)
@@ -134,13 +140,18 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
 
 # --- the key ---------------------------------------------------------------------------------
 
-def trace_key(module: nn.Module, path: str, signature: CallSignature) -> str:
-    """The hex digest of everything a trace of ``module`` called with ``signature`` depends on."""
+def trace_key(module: nn.Module, path: str, signature: CallSignature, packages: set[str] | None = None) -> str:
+    """The hex digest of everything a trace of ``module`` called with ``signature`` depends on
+    (``packages``: as ``_packages(module)`` gives them, computed when not given)."""
+    if packages is None:
+        packages = _packages(module)
     devices = sorted({str(t.device) for t in [*module.parameters(), *module.buffers(), *signature.tensors]})
     device_types = sorted({torch.device(d).type for d in devices})
     parts = [
         ("format", FORMAT),
         ("versions", sys.version, torch.__version__, _version("transformers"), _version("peft")),
+        ("loracc", loracc_source()),  # this process's loracc: where it is and what its files say
+        ("locations", [(name, _location(name)) for name in sorted(packages)]),  # whose files the stamps are
         ("path", path),
         ("call", signature.key),
         ("devices", devices),  # with their index: the values read back are on them
@@ -155,6 +166,36 @@ def trace_key(module: nn.Module, path: str, signature: CallSignature) -> str:
         raise Uncacheable("the region depends on an object that has no stable description: "
                           + text[max(0, text.index(" at 0x") - 80):text.index(" at 0x") + 20])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def loracc_source() -> tuple[str, str]:
+    """The running loracc: its package folder, and a digest of the relative path and content of
+    every ``.py`` file under it. Computed once per process, when this module is imported (with
+    loracc: the files as the process loaded them); a file edited later changes the stamps checked
+    on read."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, subfolders, names in os.walk(root):  # in sorted order: the subfolders are sorted in place
+        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+        for name in sorted(names):
+            if name.endswith(".py"):
+                file = os.path.join(folder, name)
+                with open(file, "rb") as f:
+                    content = f.read()
+                digest.update(f"{os.path.relpath(file, root)}\0{len(content)}\0".encode())
+                digest.update(content)
+    return root, digest.hexdigest()
+
+
+loracc_source()
+
+
+def _location(package: str):
+    """Where a loaded top-level package (or script) is loaded from."""
+    mod = sys.modules.get(package)
+    file = getattr(mod, "__file__", None)
+    return os.path.abspath(file) if file else sorted(map(str, getattr(mod, "__path__", None) or ()))
 
 
 def _version(package: str) -> str | None:
