@@ -620,10 +620,7 @@ def _train_in_process(workload: str, method: str) -> dict:
 
 @pytest.mark.parametrize("workload", [
     "tiny-nf4", "tiny-unet", "tiny-flux",
-    pytest.param("tiny-moe", marks=pytest.mark.xfail(strict=True, reason=(
-        "with output_router_logits, transformers records the router logits through hooks it adds at each call: "
-        "loracc runs those decoder layers eagerly, with a warning (the losses are eager's); compiling them "
-        "is open (issue 20)"))),
+    "tiny-moe",
 ])
 def test_other_workloads_train_and_match_eager(workload):
     eager, compiled = _train_in_process(workload, "peft-eager"), _train_in_process(workload, "loracc")

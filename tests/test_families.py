@@ -12,6 +12,8 @@ or ERROR; FALLBACK (eager, with a warning naming module and reason) passes where
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -191,26 +193,46 @@ def test_an_op_whose_backward_cannot_be_traced_runs_its_region_eagerly():
         _check(model, allowed=("FALLBACK",))
 
 
-def _moe_recording_router_logits():
-    model = fs.build_causal_lm("qwen3_moe")
-    model.config.output_router_logits = True  # the load-balancing loss is added to the loss
-    model = fs.with_lora(model, "causal-lm", target_modules=["q_proj", "v_proj"])
-    model(**fs.token_batch("causal-lm"))  # transformers installs its output-recording hooks
-    model.zero_grad(set_to_none=True)
-    return model
-
-
-def test_layers_whose_outputs_transformers_records_run_eagerly():
+def test_layers_whose_router_logits_transformers_records_run_compiled():
     """With output_router_logits, transformers records each router's logits with a hook, for the
-    load-balancing loss: a compiled graph would not run it, so those layers run eagerly, with a warning."""
+    load-balancing loss: the decoder layers run compiled, their graphs returning the logits the hooks
+    would have recorded, which loracc appends to transformers' collector; no warning, no fallback."""
     compiled = loracc.compile(_moe_recording_router_logits())
-    with pytest.warns(UserWarning, match="records the output of"):
-        compiled(**fs.token_batch("causal-lm")).loss.backward()
-    assert all(r.calls == 0 for r in loracc.explain(compiled).regions if r.kind == "block")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(**fs.token_batch("causal-lm"))
+        out.loss.backward()
+    assert not [str(w.message) for w in caught if str(w.message).startswith("loracc")]
+    assert out.aux_loss is not None and len(out.router_logits) == compiled.config.num_hidden_layers
+    blocks = [r for r in loracc.explain(compiled).regions if r.kind == "block"]
+    assert blocks and all(r.calls > 0 and not r.fallbacks for r in blocks)
 
 
 def test_moe_load_balancing_loss_matches_eager():
     _check(_moe_recording_router_logits(), allowed=("PASS", "FALLBACK"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_load_balancing_loss_compiles_and_matches_eager(family):
+    """The router logits become more outputs of each compiled decoder layer, differentiable: the
+    load-balancing loss's gradient flows back through the layer into LoRA on attention and on the
+    experts. Loss and every LoRA gradient as eager's, two AdamW steps, the layers compiled."""
+    lora = {"target_modules": ["q_proj", "v_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    model = _moe_recording_router_logits(family, aux_loss_coef=0.5, **lora)  # a term a gradient would miss
+    result = _check(model)
+    assert result.blocks_compiled, result.regions
+
+
+def _moe_recording_router_logits(family="qwen3_moe", aux_loss_coef=None, **lora):
+    model = fs.build_causal_lm(family)
+    model.config.output_router_logits = True  # the load-balancing loss is added to the loss
+    if aux_loss_coef is not None:
+        model.router_aux_loss_coef = aux_loss_coef
+    model = fs.with_lora(model, "causal-lm", **(lora or {"target_modules": ["q_proj", "v_proj"]}))
+    model(**fs.token_batch("causal-lm"))  # transformers installs its output-recording hooks
+    model.zero_grad(set_to_none=True)
+    return model
 
 
 # --- the family sweep ---------------------------------------------------------------------------

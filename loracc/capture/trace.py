@@ -12,8 +12,10 @@ is loracc's own backward op by construction; LayerNorm is differentiated as its 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +82,9 @@ def call_signature(args: tuple, kwargs: dict) -> CallSignature:
             key.append(leaf)
         else:
             raise Unsupported(f"argument {i} is a {type(leaf).__name__}, which loracc cannot specialise on")
-    return CallSignature(key=(str(spec), tuple(key)), tensors=tensors, spec=spec, leaves=leaves)
+    records = RECORDING.get()
+    spec_key = str(spec) + (f" recording {records}" if records else "")  # its graph has more outputs
+    return CallSignature(key=(spec_key, tuple(key)), tensors=tensors, spec=spec, leaves=leaves)
 
 
 def plain_value(value, index: int = -1):
@@ -182,7 +186,9 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     ``dynamic``: the call's batch and sequence dims (``dynamic_dims``) are symbols, so the graph
     serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``), and attention
     never takes cuDNN's backend (``_without_cudnn_attention``); otherwise every size is a constant."""
-    _check_no_recording_hooks(module)
+    records = RECORDING.get()
+    if not records:
+        _check_no_recording_hooks(module)
     names, state = module_state(module)
     captured = CapturedForward(gm=None, param_names=names)
     examples = state + signature.tensors
@@ -193,7 +199,10 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
 
     def flat_forward(*flat):
         args, kwargs = signature.rebuild(flat[len(state):])
-        out = torch.func.functional_call(module, dict(zip(names, flat[: len(state)])), args, kwargs, strict=True)
+        out = torch.func.functional_call
+        if records:  # the layer's output and what the recording hooks inside it append: (output, ((key, value), ...))
+            out = functools.partial(call_recording, records, out)
+        out = out(module, dict(zip(names, flat[: len(state)])), args, kwargs, strict=True)
         leaves, captured.out_spec = _compat.tree_flatten(out)
         for leaf in leaves:
             if not isinstance(leaf, (torch.Tensor,) + CONSTANT_TYPES):
@@ -259,10 +268,43 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
 RECORDING_HOOK_MODULES = ("transformers.utils.output_capturing",)
 
 
+# The keys (``"router_logits"``, ...) a call being compiled records with transformers' hooks inside the
+# module (``recording``): its graph returns ``(output, ((key, value), ...))``, the values in the order
+# the hooks appended them (``call_recording``), and its call key says so (``call_signature``).
+RECORDING: ContextVar[tuple[str, ...]] = ContextVar("loracc_recording", default=())
+
+
+@contextlib.contextmanager
+def recording(keys: tuple[str, ...]):
+    """Inside: calls made and compiled record ``keys`` (``RECORDING``)."""
+    token = RECORDING.set(tuple(keys))
+    try:
+        yield
+    finally:
+        RECORDING.reset(token)
+
+
+def call_recording(keys: tuple[str, ...], fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), ((key, value), ...))``: the call with transformers' output collector
+    (``output_capturing._active_collector``) set to a fresh one that collects ``keys`` only, so that
+    the hooks inside record into it exactly as into the caller's (transformers' own hooks, their
+    ``index`` and ``None`` rules); the values per key in the order they were appended."""
+    from transformers.utils import output_capturing
+
+    collected = {key: [] for key in keys}
+    token = output_capturing._active_collector.set(collected)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        output_capturing._active_collector.reset(token)
+    return out, tuple((key, value) for key in keys for value in collected[key])
+
+
 def _check_no_recording_hooks(module: nn.Module) -> None:
     """Raise ``Unsupported`` for a submodule whose output a hook records (a mixture-of-experts router's
     logits for the load-balancing loss): the module runs eagerly, where the hook records it. (The
-    module's own hooks run around its compiled forward, so they record its outputs.)"""
+    module's own hooks run around its compiled forward, so they record its outputs.) Not called for
+    a call that records (``RECORDING``): its graph returns what the hooks record."""
     for name, sub in module.named_modules():
         hooks = list(sub._forward_hooks.values()) if name else []
         if any(getattr(hook, "__module__", "") in RECORDING_HOOK_MODULES for hook in hooks):

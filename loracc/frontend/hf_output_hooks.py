@@ -7,11 +7,16 @@ removes; a vision-language model may ask on every call (LLaVA's vision tower ret
 of its ``vision_feature_layer``). Such a hook records only while the running forward collects its key
 (``output_capturing._active_collector``); otherwise it returns at once and changes nothing.
 
-A compiled layer's graph does not run the hooks of the modules inside it, so a layer whose inner
-hooks would record in this call runs eagerly (``firing``), and otherwise its call runs compiled with
-those hooks out of sight (``hidden``: the trace, the capture's check for recording hooks and the
-layer's structure see the layer as it computes). The layer's own hooks run around its compiled
-forward, as around any forward, and record its outputs themselves.
+A compiled layer's graph does not run the hooks of the modules inside it. A call in which none of
+its inner hooks would record runs compiled with those hooks out of sight (``hidden``: the trace, the
+capture's check for recording hooks and the layer's structure see the layer as it computes). A call
+in which some would record only keys of ``COMPILED_KEYS`` (a router's logits) runs compiled too:
+its graph is traced with the hooks recording into a collector of its own (``trace.call_recording``),
+what they recorded becomes more outputs of the graph (differentiable: the load-balancing loss's
+gradient flows back through the layer), and after the call they are appended to the caller's
+collector (``append``). Any other call in which a hook inside would record runs eagerly
+(``firing``). The layer's own hooks run around its compiled forward, as around any forward, and
+record its outputs themselves.
 """
 from __future__ import annotations
 
@@ -62,6 +67,46 @@ def firing(hooks: list[tuple[str, str | None]]) -> list[str]:
         collected, readable = None, False
     return [f"{name} ({key})" for name, key in hooks
             if not readable or key is None or (collected is not None and key in collected)]
+
+
+# The keys whose hooks a compiled layer's graph records itself (``compiled_keys``): a router's logits,
+# for a mixture-of-experts model's load-balancing loss. Not "hidden_states" (its hook reads what
+# the collector holds already: the initial hidden state, the selected layers), and not yet
+# "attentions" (those calls run eagerly, as before).
+COMPILED_KEYS = ("router_logits",)
+
+
+def compiled_keys(hooks: list[tuple[str, str | None]]) -> tuple[str, ...] | None:
+    """For a call in which some of ``hooks`` (``recording_keys`` of a module) record (``firing``): the
+    keys they record, sorted, where a compiled call can record them all itself (each in
+    ``COMPILED_KEYS``, the collector a dict); else None (the call runs eagerly)."""
+    try:
+        from transformers.utils import output_capturing
+
+        collected = output_capturing._active_collector.get()
+    except Exception:  # noqa: BLE001 - a transformers without it
+        return None
+    if not isinstance(collected, dict):
+        return None
+    keys = set()
+    for _, key in hooks:
+        if key is None:
+            return None
+        if key in collected:
+            if key not in COMPILED_KEYS or not isinstance(collected[key], list):
+                return None
+            keys.add(key)
+    return tuple(sorted(keys)) or None
+
+
+def append(recorded) -> None:
+    """Append each ``(key, value)`` of ``recorded`` (what ``trace.call_recording`` returned) to the
+    caller's collector, in order: what the hooks would have appended there."""
+    from transformers.utils import output_capturing
+
+    collected = output_capturing._active_collector.get()
+    for key, value in recorded:
+        collected[key].append(value)
 
 
 @contextlib.contextmanager

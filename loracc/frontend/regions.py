@@ -16,12 +16,14 @@ The model object stays the user's: only the ``forward`` of the compiled modules 
 """
 from __future__ import annotations
 
+import types
 import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..capture.trace import module_fingerprint
+from ..capture.trace import call_recording, module_fingerprint
+from ..capture.trace import recording as trace_recording
 from ..ir.graph import param_role
 from ..runtime.memory import StepMemory
 from ..runtime.region import Region
@@ -122,8 +124,9 @@ class _BlockForward(CompiledForward):
         # The hooks inside the module run in its traced graph, and grouped it with its region's
         # other layers: a change to them after this point runs the module eagerly. In a layer,
         # transformers' output-capturing hooks, which it installs during a forward, are not counted:
-        # a call in which one would record runs eagerly, any other runs compiled without them
-        # (hf_output_hooks). A module that is (or holds) a transformers model sets the collector they
+        # a call in which only router-logit hooks would record runs compiled, its graph returning what
+        # they record; one in which another would record runs eagerly; any other runs compiled
+        # without them (hf_output_hooks). A module that is (or holds) a transformers model sets the collector they
         # record into inside its own forward: every hook counts there, and its capture refuses them.
         self.hides_recording = region.kind == "block" and not any(map(_is_hf_model, module.modules()))
         self.hooks = [getattr(m, key) for m, key in hf_output_hooks.inner_hook_dicts(module)]
@@ -153,6 +156,9 @@ class _BlockForward(CompiledForward):
                 return eager(*args, **kwargs)
             if recording:
                 firing = hf_output_hooks.firing(recording)
+                keys = hf_output_hooks.compiled_keys(recording) if firing else None
+                if keys:
+                    return self._recording_call(keys, args, kwargs)
                 if firing:
                     self.region._fall_back(self.path, f"transformers records the output of {', '.join(firing)} "
                                                       "with a hook in this call (output_attentions, output_router_logits, "
@@ -162,9 +168,27 @@ class _BlockForward(CompiledForward):
                     return self.region.run(self.module, self.path, eager, args, kwargs)
         return self.region.run(self.module, self.path, eager, args, kwargs)
 
+    def _recording_call(self, keys: tuple[str, ...], args, kwargs):
+        """A call in which transformers' hooks inside record ``keys`` (hf_output_hooks.compiled_keys):
+        compiled (or eager, where the region runs so) as ``(output, ((key, value), ...))``, whose
+        values go to the caller's collector; the output is returned."""
+        forward = types.MethodType(_forward_recording(keys), self.module)
+        with trace_recording(keys):
+            out, recorded = self.region.run(self.module, self.path, forward, args, kwargs)
+        hf_output_hooks.append(recorded)
+        return out
+
     @property
     def __signature__(self):
         return eager_signature(self.module)
+
+
+def _forward_recording(keys: tuple[str, ...]):
+    """The module's own forward (a function of the module) with what transformers' hooks inside it
+    record for ``keys``: ``(output, ((key, value), ...))`` (``trace.call_recording``)."""
+    def forward(module: nn.Module, *args, **kwargs):
+        return call_recording(keys, type(module).forward.__get__(module), *args, **kwargs)
+    return forward
 
 
 def _find_block_lists(model: nn.Module):
