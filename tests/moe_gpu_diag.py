@@ -1,0 +1,34 @@
+"""``python tests/moe_gpu_diag.py`` (GPU): Qwen3-MoE tiny in bf16 autocast: loracc (triton and eager backends) vs eager PEFT,
+each against an fp32 eager reference; the three worst LoRA gradients by ratio to eager's error."""
+import sys, copy, torch
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+import family_sweep as fs, loracc
+from conftest import rel_err
+MOE = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+       "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+model = fs.with_lora(fs.build_causal_lm("qwen3_moe"), "causal-lm", **MOE).cuda()
+vocab = model.config.vocab_size
+torch.manual_seed(0)
+runs = [("reference", model, False), ("eager", copy.deepcopy(model), True),
+        ("triton", loracc.compile(copy.deepcopy(model), backend="triton"), True),
+        ("triton-nographs", loracc.compile(copy.deepcopy(model), backend="triton", cuda_graphs=False), True),
+        ("eager-backend", loracc.compile(copy.deepcopy(model), backend="eager"), True)]
+for step in range(3):
+    ids = torch.randint(3, vocab - 1, (2, 48), device="cuda")
+    res = {}
+    for name, m, ac in runs:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ac):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        res[name] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None})
+        m.zero_grad(set_to_none=True)
+    rl, rg = res["reference"]
+    el, eg = res["eager"]
+    for name in ("triton", "triton-nographs", "eager-backend"):
+        cl, cg = res[name]
+        worst = sorted(((rel_err(cg[n], r) / max(rel_err(eg[n], r), 1e-9), n, rel_err(eg[n], r), rel_err(cg[n], r)) for n, r in rg.items()), reverse=True)[:3]
+        print(f"step {step} {name}: loss err {rel_err(cl, rl):.2e} (eager {rel_err(el, rl):.2e})")
+        for w in worst:
+            print(f"W {w[0]:.2f} {w[1].replace('base_model.model.model.', '')} eager {w[2]:.4f} loracc {w[3]:.4f}")
+for name, m, _ in runs[2:]:
+    print(name, "fallbacks:", loracc.explain(m).fallbacks)
