@@ -6,14 +6,10 @@ import re
 
 import pytest
 import torch
-from torch._library.custom_ops import OPDEFS
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import loracc
 from loracc.tools import presets
-from conftest import rel_err
+from conftest import LiveBytes, rel_err
 
 pytest.importorskip("peft")
 
@@ -91,30 +87,6 @@ def test_step_memory_reserves_what_the_other_regions_save_and_predicts_the_peak(
 BIG_VOCAB = {"layers": 3, "vocab": 8000, "seq": 64}  # a loss chunk's workspace (128 rows × 8000 × 12 B) dwarfs a layer's
 
 
-class LiveBytes(TorchDispatchMode):
-    """The most bytes that storages allocated under it held at once, loracc's ops' insides included
-    (their reference implementations run under it; ATen ops' internals are not seen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        opdef = OPDEFS.get(func._schema.name) if func._schema.name.startswith("loracc::") else None
-        if opdef is not None:
-            with self:
-                out = opdef._init_fn(*args, **(kwargs or {}))
-        else:
-            out = func(*args, **(kwargs or {}))
-        self.live = {key: (ref, n) for key, (ref, n) in self.live.items() if not ref.expired()}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
-                storage = t.untyped_storage()
-                self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
-
-
 def test_a_byte_budget_counts_the_larger_of_the_head_and_layer_workspaces_not_their_sum():
     """The layers plan before the head, against the head's estimate: what it saves is held across
     them, but its loss-chunk workspace and a layer's workspace never coexist (regions run one after
@@ -148,7 +120,7 @@ def test_a_byte_budget_counts_the_larger_of_the_head_and_layer_workspaces_not_th
             assert rel_err(q.grad, p.grad) <= 1e-4, name
     predicted = loracc.explain(compiled).predicted_peak_bytes
     assert predicted <= smallest
-    measure = LiveBytes()
+    measure = LiveBytes(into_loracc_ops=True)
     with measure:  # the second step: the gradients stay allocated, as after any first step
         compiled(**batch).loss.backward()
     assert measure.peak <= predicted - compiled._loracc.persistent_bytes

@@ -12,11 +12,9 @@ import random
 import pytest
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import loracc
+from conftest import LiveBytes
 from loracc import _compat
 from loracc.tools import presets
 from loracc.ir.graph import info, output_values, placeholders
@@ -171,24 +169,6 @@ def test_program_reports_memory_per_graph(llama_program):
     assert memory.arena_bytes == max(memory.forward.arena_bytes, memory.backward.arena_bytes)
     assert memory.forward.saved_bytes == llama_program.reports["remat"]["saved bytes"]
     assert memory.forward.saved_bytes == llama_program.reports["partition"].saved_bytes
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes that storages allocated under it held at once (op internals not seen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.live = {key: (ref, n) for key, (ref, n) in self.live.items() if not ref.expired()}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
-                storage = t.untyped_storage()
-                self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
 
 @pytest.mark.parametrize("budget", [None, 0.0])
