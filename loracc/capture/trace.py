@@ -226,8 +226,8 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
             # Flash and memory-efficient attention do not trace with symbolic sizes on every torch
             # version and shape ("SymIntArrayRef expected to contain only concrete integers"): the
             # graph keeps PyTorch's choice of backend then, on fresh symbols.
-            log.info("symbolic trace of %s without cuDNN attention failed (%s: %s); traced with PyTorch's backends",
-                     module_path, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.info("symbolic trace of %s without cuDNN attention failed (%s); traced with PyTorch's backends",
+                     module_path, _describe(exc))
             examples, captured.shape_env = _compat.symbolic_fakes(state + signature.tensors, dims)
             captured.fakes = examples
             with _SourceTracker(module, module_path):
@@ -235,7 +235,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     except Unsupported:
         raise
     except Exception as exc:  # anything the tracer cannot follow runs eagerly
-        raise Unsupported(f"tracing failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        raise Unsupported(f"tracing failed: {_describe(exc)}") from exc
     finally:
         module.__dict__.update(hooks)
         if patched_forward is not None:
@@ -266,6 +266,11 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
 # Hooks that record a submodule's output into a list the caller reads (transformers' output capturing:
 # output_router_logits, output_attentions): traced into a graph, they would record nothing when it runs.
 RECORDING_HOOK_MODULES = ("transformers.utils.output_capturing",)
+
+
+def is_recording_hook(hook) -> bool:
+    """Whether ``hook`` is one of transformers' output-capturing hooks."""
+    return getattr(hook, "__module__", "") in RECORDING_HOOK_MODULES
 
 
 # The keys (``"router_logits"``, ...) a call being compiled records with transformers' hooks inside the
@@ -307,7 +312,7 @@ def _check_no_recording_hooks(module: nn.Module) -> None:
     a call that records (``RECORDING``): its graph returns what the hooks record."""
     for name, sub in module.named_modules():
         hooks = list(sub._forward_hooks.values()) if name else []
-        if any(getattr(hook, "__module__", "") in RECORDING_HOOK_MODULES for hook in hooks):
+        if any(map(is_recording_hook, hooks)):
             raise Unsupported(f"transformers records the output of {name} with a hook (output_router_logits, "
                               "output_attentions), which a compiled graph would not run")
 
@@ -355,6 +360,12 @@ class _SourceTracker:
         if id(module) in self.paths and self.stack:
             self.stack.pop()
             _compat.set_current_source(self.stack[-1] if self.stack else None)
+
+
+def _describe(exc: BaseException) -> str:
+    """``"<type>: <first line of the message>"``: a tracer's error, short enough for a warning."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -450,8 +461,7 @@ def derive_joint(fwd: fx.GraphModule, needs_grad: list[bool]) -> fx.GraphModule:
     try:
         gm = _compat.trace(joint, examples)
     except Exception as exc:  # an op whose backward the tracer cannot follow: the region runs eagerly
-        raise Unsupported(f"differentiating the traced graph failed: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        raise Unsupported(f"differentiating the traced graph failed: {_describe(exc)}") from exc
 
     joint_inputs = placeholders(gm)
     for src, node in zip(inputs, joint_inputs):

@@ -25,12 +25,8 @@ from collections import OrderedDict
 
 from torch import nn
 
-from ..capture.trace import RECORDING_HOOK_MODULES, RUN_HOOKS
-
-
-def is_recording(hook) -> bool:
-    """Whether ``hook`` is one of transformers' output-capturing hooks."""
-    return getattr(hook, "__module__", "") in RECORDING_HOOK_MODULES
+from ..capture.trace import RUN_HOOKS
+from ..capture.trace import is_recording_hook as is_recording
 
 
 def inner_hook_dicts(module: nn.Module, root: bool = False) -> list[tuple[nn.Module, str]]:
@@ -53,18 +49,24 @@ def recording_keys(module: nn.Module) -> list[tuple[str, str | None]]:
     return found
 
 
+def _collector():
+    """``(collector, readable)``: what transformers' hooks would record into now (None: nothing), and
+    whether it is the dict they use (a transformers without it, or another kind: not readable)."""
+    try:
+        from transformers.utils import output_capturing
+
+        collected = output_capturing._active_collector.get()
+    except Exception:  # noqa: BLE001 - a transformers without it
+        return None, False
+    return collected, collected is None or isinstance(collected, dict)
+
+
 def firing(hooks: list[tuple[str, str | None]]) -> list[str]:
     """Of ``hooks`` (``recording_keys`` of a module), those that would record in a call made now, as
     ``"<submodule> (<key>)"``; a hook whose key, or a collector that cannot be read, counts as recording."""
     if not hooks:
         return []
-    try:
-        from transformers.utils import output_capturing
-
-        collected = output_capturing._active_collector.get()
-        readable = collected is None or isinstance(collected, dict)
-    except Exception:  # noqa: BLE001 - a transformers without it: every hook counts as recording
-        collected, readable = None, False
+    collected, readable = _collector()
     return [f"{name} ({key})" for name, key in hooks
             if not readable or key is None or (collected is not None and key in collected)]
 
@@ -80,13 +82,8 @@ def compiled_keys(hooks: list[tuple[str, str | None]]) -> tuple[str, ...] | None
     """For a call in which some of ``hooks`` (``recording_keys`` of a module) record (``firing``): the
     keys they record, sorted, where a compiled call can record them all itself (each in
     ``COMPILED_KEYS``, the collector a dict); else None (the call runs eagerly)."""
-    try:
-        from transformers.utils import output_capturing
-
-        collected = output_capturing._active_collector.get()
-    except Exception:  # noqa: BLE001 - a transformers without it
-        return None
-    if not isinstance(collected, dict):
+    collected, readable = _collector()
+    if not readable or collected is None:
         return None
     keys = set()
     for _, key in hooks:

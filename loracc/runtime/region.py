@@ -199,8 +199,8 @@ class Region:
         elif not program.dynamic:  # a symbolic program's graphs per size copy their inputs (sized_graphs)
             compiled = self.compiled_programs
             if len(compiled) >= AUTO_GRAPHED_SIGNATURES:
-                _without_auto_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
-                                              f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only")
+                _without_graphs(program, f"runs from Python: cuda_graphs='auto' graphs the first "
+                                         f"{AUTO_GRAPHED_SIGNATURES} call signatures of a region only", modes=("auto",))
             elif compiled:
                 share_decisions(compiled[0], program)
         self.programs[key] = program
@@ -251,17 +251,11 @@ def _gathers_weights(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _without_graphs(program: Program, why: str) -> None:
+def _without_graphs(program: Program, why: str, modes: tuple[str, ...] = ("on", "auto")) -> None:
+    """``program``'s stages whose graph mode is in ``modes`` run from Python, for the reason ``why``."""
     for stage in ("forward", "backward"):
         fn = getattr(program, stage)
-        if isinstance(fn, Replayer):
-            fn.decision = why  # decided before its first call: it never captures
-
-
-def _without_auto_graphs(program: Program, why: str) -> None:
-    for stage in ("forward", "backward"):
-        fn = getattr(program, stage)
-        if isinstance(fn, Replayer) and fn.mode == "auto":
+        if isinstance(fn, Replayer) and fn.mode in modes:
             fn.decision = why  # decided before its first call: it never captures
 
 
