@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch

@@ -276,3 +276,55 @@ def test_a_region_that_turns_autocast_off_computes_in_fp32_when_compiled():
     assert rel_err(loss_c, loss_e) <= 1e-6
     for got, want in zip(grads_c, grads_e, strict=True):  # the LoRA branch's bf16 products: rounding apart
         assert rel_err(got, want) <= 2e-2
+
+
+def _walked_state(module):
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return [n for n, _ in named], [t for _, t in named]
+
+
+def test_module_state_follows_the_module_tree_as_it_changes():
+    """``module_state`` reads a layer's tensors from where they are held without walking the tree
+    again; a submodule, parameter or buffer replaced, added or set to None is seen at the next call."""
+    from loracc.capture.trace import module_state
+
+    model, _ = presets.preset("llama", layers=1)
+    layer = model.get_base_model().model.layers[0]
+
+    def same():
+        names, tensors = module_state(layer)
+        want_names, want = _walked_state(layer)
+        return names == want_names and len(tensors) == len(want) and all(a is b for a, b in zip(tensors, want))
+
+    assert same() and same()
+    attn = layer.self_attn
+    attn.q_proj.lora_A["default"] = nn.Linear(attn.q_proj.in_features, attn.q_proj.r["default"], bias=False)
+    assert same()
+    attn.k_proj.lora_B["default"].weight = nn.Parameter(torch.randn_like(attn.k_proj.lora_B["default"].weight))
+    assert same()
+    layer.mlp.register_buffer("scale", torch.ones(3))
+    assert same()
+    layer.mlp.scale = None
+    assert same()
+
+
+def test_a_lora_layer_replaced_after_the_first_step_trains_the_new_one():
+    """The compiled step reads the weights the model holds at each call: LoRA modules replaced
+    between steps (as an adapter reload may) give eager's loss and gradients on the new weights."""
+    eager, compiled, batch = _compiled(layers=2)
+    compiled(**batch).loss.backward()
+    torch.manual_seed(3)
+    for model in (eager, compiled):
+        for layer in model.get_base_model().model.layers:
+            lora_a = layer.self_attn.v_proj.lora_A["default"]
+            fresh = nn.Linear(lora_a.in_features, lora_a.out_features, bias=False)
+            layer.self_attn.v_proj.lora_A["default"] = fresh
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(eager.get_base_model().model.layers, compiled.get_base_model().model.layers):
+        b.self_attn.v_proj.lora_A["default"].weight.data.copy_(a.self_attn.v_proj.lora_A["default"].weight)
+    loss_e, loss_c = eager(**batch).loss, compiled(**batch).loss
+    loss_e.backward(), loss_c.backward()
+    assert rel_err(loss_c.detach(), loss_e.detach()) <= 1e-5
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name

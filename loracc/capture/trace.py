@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import re
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -151,9 +152,42 @@ class CapturedForward:
 
 
 def module_state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """The names and tensors of a module's parameters then buffers, the graph's first inputs."""
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    return [n for n, _ in named], [t for _, t in named]
+    """The names and tensors of a module's parameters then buffers, the graph's first inputs: those
+    of ``named_parameters(remove_duplicate=False)`` then ``named_buffers(remove_duplicate=False)``,
+    in their order. A region calls this at every layer call; walking the module tree each time cost
+    ~1 ms a layer, so where the tree is unchanged since the last call (``_StatePlan.valid``) the
+    tensors are read straight from the dictionaries that hold them (a parameter replaced in place
+    of another is read as the new one)."""
+    plan = _STATE_PLANS.get(module)
+    if plan is None or not plan.valid():
+        plan = _STATE_PLANS[module] = _StatePlan(module)
+    tensors = [held[key] for held, key in plan.slots]
+    if any(t is None for t in tensors):  # a parameter or buffer set to None since: not in the state any more
+        plan = _STATE_PLANS[module] = _StatePlan(module)
+        tensors = [held[key] for held, key in plan.slots]
+    return plan.names, tensors
+
+
+class _StatePlan:
+    """Where each state tensor of a module lives (its owner's ``_parameters`` or ``_buffers`` and the
+    key) and what the module tree looked like when that was read: every submodule's three
+    dictionaries with their sizes, and each child under its parent's key."""
+
+    def __init__(self, module: nn.Module):
+        modules = list(module.named_modules(remove_duplicate=False))
+        self.names = [f"{prefix}.{key}" if prefix else key for attr in ("_parameters", "_buffers")
+                      for prefix, m in modules for key, value in getattr(m, attr).items() if value is not None]
+        self.slots = [(getattr(m, attr), key) for attr in ("_parameters", "_buffers")
+                      for _, m in modules for key, value in getattr(m, attr).items() if value is not None]
+        self.sizes = [(d, len(d)) for _, m in modules for d in (m._modules, m._parameters, m._buffers)]
+        self.children = [(m._modules, key, child) for _, m in modules for key, child in m._modules.items()]
+
+    def valid(self) -> bool:
+        return (all(len(d) == n for d, n in self.sizes)
+                and all(held.get(key) is child for held, key, child in self.children))
+
+
+_STATE_PLANS: "weakref.WeakKeyDictionary[nn.Module, _StatePlan]" = weakref.WeakKeyDictionary()
 
 
 def dynamic_dims(tensors: list[torch.Tensor]) -> list[list[bool]]:
