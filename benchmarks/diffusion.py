@@ -60,6 +60,11 @@ def build(spec: dict, device, seed: int, rank: int):
     import torch
     from peft import LoraConfig
 
+    if spec["kind"] == "flux":
+        # Every method of a Flux workload runs with SDPA's cuDNN backend off: with it, eager
+        # diffusers + PEFT hit an illegal memory access, and its backward gave one Flux block an
+        # input gradient 1000 times the other backends' (decision 016). loracc's graphs never take it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(seed)
     with torch.device(device), _default_dtype(getattr(torch, spec["dtype"])):
         model = getattr(diffusers, CLASSES[spec["kind"]])(**spec["config"])

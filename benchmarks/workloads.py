@@ -220,9 +220,10 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
         model = diffusion.build(spec, device, SEED, LORA_R)
         if method == "peft-hf-ckpt":
             model.enable_gradient_checkpointing()
+        notes = "SDPA's cuDNN backend off (decision 016)" if spec["kind"] == "flux" else ""
         if method == "peft-compile":
-            return torch.compile(model, dynamic=dynamic or None), model, ""
-        return model, model, ""
+            return torch.compile(model, dynamic=dynamic or None), model, notes
+        return model, model, notes
     if method == "peft-liger":
         import liger_kernel.transformers as liger
         getattr(liger, f"apply_liger_kernel_to_{spec['family']}")()

@@ -8,11 +8,14 @@ asks, without loracc, which backend it is and on which inputs:
 - ``sdpa``: ``F.scaled_dot_product_attention`` forward + backward on random q, k, v, one backend
   forced (math, efficient, flash, cudnn, or PyTorch's own choice) and two layouts: contiguous
   (B, H, S, D), and the (B, S, H, D) tensors permuted to (B, H, S, D) that diffusers' native
-  attention hands over (its output gradient arrives in that layout too). Output and q/k/v gradients
-  are compared with the math backend in fp32.
+  attention hands over (its output gradient arrives in that layout too), and the same with the
+  output gradient a slice of a 5-times-wider one (``bshd-wide-grad``: as Flux's single block's
+  ``cat([attention, mlp])`` hands it back). Output and q/k/v gradients are compared with the math
+  backend in fp32.
 - ``block``: one diffusers ``FluxTransformerBlock`` and one ``FluxSingleTransformerBlock`` at
   FLUX.1-dev's width (random weights, bf16, RoPE over the 2-D image grid), forward + backward, under
-  each backend: eager diffusers exactly as it trains.
+  each backend: eager diffusers exactly as it trains; its input gradients compared with the bf16
+  math backend's on the same weights.
 
 Every case runs in a subprocess of its own (an illegal memory access spoils the CUDA context for
 the rest of the process), with ``CUDA_LAUNCH_BLOCKING=1`` so the failing kernel is the one named;
@@ -41,7 +44,7 @@ BACKENDS = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "default": None,  # PyTorch's own priority order (cuDNN first on H100 since 2.5)
 }
-LAYOUTS = ("bhsd", "bshd", "block")
+LAYOUTS = ("bhsd", "bshd", "bshd-wide-grad", "block")
 HEADS, HEAD_DIM, WIDTH = 24, 128, 3072  # FLUX.1-dev
 
 
@@ -62,9 +65,14 @@ def attention_case(backend: str, layout: str, image: int, text: int, batch: int,
     shape = (batch, HEADS, seq, HEAD_DIM) if layout == "bhsd" else (batch, seq, HEADS, HEAD_DIM)
     leaves = [torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
     grad_out = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    if layout == "bshd-wide-grad":
+        # The output gradient as Flux's single block hands it back: a slice of the gradient of
+        # cat([attention, mlp], dim=-1), whose rows are 5 times as long as the attention's.
+        wide = torch.randn(batch, seq, 5 * HEADS * HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+        grad_out = wide[..., : HEADS * HEAD_DIM].unflatten(-1, (HEADS, HEAD_DIM))
 
     def run(q, k, v, dout):
-        if layout == "bshd":  # diffusers' _native_attention: permute in, permute the output back
+        if layout.startswith("bshd"):  # diffusers' _native_attention: permute in, permute the output back
             out = F.scaled_dot_product_attention(*(x.permute(0, 2, 1, 3) for x in (q, k, v))).permute(0, 2, 1, 3)
         else:
             out = F.scaled_dot_product_attention(q, k, v)
@@ -106,14 +114,21 @@ def block_case(backend: str, image: int, text: int, batch: int, device: str) -> 
         hidden = torch.randn(batch, image, WIDTH, dtype=torch.bfloat16, requires_grad=True)
         context = torch.randn(batch, text, WIDTH, dtype=torch.bfloat16, requires_grad=True)
         temb = torch.randn(batch, WIDTH, dtype=torch.bfloat16)
-    print("phase: forward + backward", flush=True)
-    with sdpa_kernel(BACKENDS[backend]) if BACKENDS[backend] else _nothing():
-        context_out, hidden_out = double(hidden, context, temb, image_rotary_emb=rope)
-        context_out, hidden_out = single(hidden_out, context_out, temb, image_rotary_emb=rope)
-        (hidden_out.float().square().mean() + context_out.float().square().mean()).backward()
-    _sync(device)
-    finite = bool(torch.isfinite(hidden.grad).all() and torch.isfinite(context.grad).all())
-    return ("ok " if finite else "NONFINITE ") + f"input gradient norm {hidden.grad.float().norm():.3e}"
+    grads = {}
+    for name in ("math", backend):  # the reference first: bf16 math, the same weights and inputs
+        print(f"phase: forward + backward ({name})", flush=True)
+        hidden.grad = context.grad = None
+        with sdpa_kernel(BACKENDS[name]) if BACKENDS[name] else _nothing():
+            context_out, hidden_out = double(hidden, context, temb, image_rotary_emb=rope)
+            context_out, hidden_out = single(hidden_out, context_out, temb, image_rotary_emb=rope)
+            (hidden_out.float().square().mean() + context_out.float().square().mean()).backward()
+        _sync(device)
+        grads[name] = hidden.grad.clone(), context.grad.clone()
+    errors = [_rel(a, b) for a, b in zip(grads[backend], grads["math"])]
+    finite = all(bool(torch.isfinite(g).all()) for g in grads[backend])
+    verdict = "NONFINITE " if not finite else "WRONG " if max(errors) > 5e-2 else "ok "
+    return verdict + "vs bf16 math: rel. error d(image tokens) {:.1e}, d(text tokens) {:.1e}; norm {:.3e}".format(
+        *errors, grads[backend][0].float().norm())
 
 
 class _nothing:

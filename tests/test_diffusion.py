@@ -386,8 +386,10 @@ def test_sdpa_backend_script_runs_one_case(capsys, monkeypatch):
     monkeypatch.setattr(script, "WIDTH", 64)
     script.main(["--device", "cpu", "--case", "math,bshd,30+7,2"])
     assert re.search(r"^result: ok vs fp32 math: rel\. error out", capsys.readouterr().out, re.M)
+    script.main(["--device", "cpu", "--case", "math,bshd-wide-grad,30+7,2"])
+    assert re.search(r"^result: ok vs fp32 math: rel\. error out", capsys.readouterr().out, re.M)
     script.main(["--device", "cpu", "--case", "default,block,16+3,1"])
-    assert "result: ok input gradient norm" in capsys.readouterr().out
+    assert "result: ok vs bf16 math: rel. error d(image tokens)" in capsys.readouterr().out
 
 
 TRACE_KEY_SNIPPET = """

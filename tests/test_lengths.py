@@ -243,26 +243,34 @@ def test_trainer_with_a_padding_collator_and_group_by_length_matches_eager(tmp_p
     assert all(r.captures <= 4 for r in compiled._loracc.regions), _captures(compiled)
 
 
-def test_symbolic_captures_trace_attention_without_the_cudnn_backend():
-    """cuDNN's attention builds a plan per new shape: off while a symbolic graph is traced, and back
-    as it was after (static traces keep PyTorch's choice)."""
+def test_captures_trace_attention_without_the_cudnn_backend():
+    """cuDNN's attention gave a wrong backward on a Flux block (decision 016) and builds a plan per
+    new shape: off while any graph is traced, and back as it was after. A symbolic trace that fails
+    with flash on is tried with flash off too (then with PyTorch's choice)."""
     from loracc.capture.trace import capture_forward, call_signature
 
     seen = []
 
     class Attention(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, fails_with_flash=False):
             super().__init__()
             self.proj = torch.nn.Linear(8, 8)
+            self.fails_with_flash = fails_with_flash
 
         def forward(self, x):
-            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+            if self.fails_with_flash and torch.backends.cuda.flash_sdp_enabled():
+                raise RuntimeError("SymIntArrayRef expected to contain only concrete integers")
             q = self.proj(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
             return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 
-    before = torch.backends.cuda.cudnn_sdp_enabled()
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
     x = torch.randn(2, 5, 8)
-    capture_forward(Attention(), "attn", call_signature((x,), {}), dynamic=True)
-    capture_forward(Attention(), "attn", call_signature((x,), {}), dynamic=False)
-    assert seen[0] is False and seen[-1] is before
-    assert torch.backends.cuda.cudnn_sdp_enabled() is before
+    for dynamic in (True, False):
+        seen.clear()
+        capture_forward(Attention(), "attn", call_signature((x,), {}), dynamic=dynamic)
+        assert seen == [(False, before[1])]
+    seen.clear()
+    capture_forward(Attention(fails_with_flash=True), "attn", call_signature((x,), {}), dynamic=True)
+    assert seen == [(False, True), (False, False)]
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before

@@ -199,27 +199,37 @@ def dynamic_dims(tensors: list[torch.Tensor]) -> list[list[bool]]:
     return [[size in leading for size in t.shape] for t in tensors]
 
 
+# Which of scaled-dot-product attention's backends a trace turns off, in the order tried. cuDNN's is
+# off: on an H100 with torch 2.11 (cuDNN 9.19) its backward gave a FLUX.1-dev block an input
+# gradient 1000 times the math, flash and memory-efficient backends' (and the whole model an illegal
+# memory access), and it builds an execution plan for every new shape, which a symbolic graph meets
+# at every length (decisions 013 and 016). A symbolic trace that fails with flash ("SymIntArrayRef
+# expected to contain only concrete integers" on some torch versions and shapes) is tried again
+# with memory-efficient attention, then with PyTorch's own choice.
+ATTENTION_OFF = {"static": [("cudnn",)], "symbolic": [("cudnn",), ("cudnn", "flash"), ()]}
+_SDP_SWITCHES = {"cudnn": (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp),
+                 "flash": (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp)}
+
+
 @contextlib.contextmanager
-def _without_cudnn_attention(dynamic: bool):
-    """While a symbolic graph is traced, scaled-dot-product attention's cuDNN backend is off, so the
-    graph records flash or memory-efficient attention instead: cuDNN builds an execution plan for
-    every new shape (its cost per new length: decision 013), the others do not.
-    A static graph keeps whichever backend PyTorch picks."""
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
-    if dynamic:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+def _attention_backends_off(names: tuple[str, ...]):
+    """SDPA's backends ``names`` off while the block runs, as they were after."""
+    before = {name: _SDP_SWITCHES[name][0]() for name in names}
+    for name in names:
+        _SDP_SWITCHES[name][1](False)
     try:
         yield
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(enabled)
+        for name, enabled in before.items():
+            _SDP_SWITCHES[name][1](enabled)
 
 
 def capture_forward(module: nn.Module, module_path: str, signature: CallSignature, dynamic: bool = False) -> CapturedForward:
     """Trace ``module(*args, **kwargs)`` into an ATen graph whose inputs are state + tensor args.
 
     ``dynamic``: the call's batch and sequence dims (``dynamic_dims``) are symbols, so the graph
-    serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``), and attention
-    never takes cuDNN's backend (``_without_cudnn_attention``); otherwise every size is a constant."""
+    serves every size its guards admit (``CapturedForward.shape_env``, ``fakes``); otherwise every
+    size is a constant. Attention takes the backends ``ATTENTION_OFF`` leaves on."""
     records = RECORDING.get()
     if not records:
         _check_no_recording_hooks(module)
@@ -248,24 +258,23 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     # The module's own hooks run around the compiled forward, as around any forward: not in its graph.
     hooks = {name: module.__dict__[name] for name in ROOT_HOOKS if module.__dict__.get(name)}
     module.__dict__.update({name: type(value)() for name, value in hooks.items()})
+    attempts = ATTENTION_OFF["symbolic" if dynamic else "static"]
     try:
-        try:
-            with _SourceTracker(module, module_path), _without_cudnn_attention(dynamic):
-                gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
-        except Unsupported:
-            raise
-        except Exception as exc:
-            if not dynamic:
+        for attempt, off in enumerate(attempts):
+            if attempt and dynamic:  # fresh symbols: the failed trace left guards on the old ones
+                examples, captured.shape_env = _compat.symbolic_fakes(state + signature.tensors, dims)
+                captured.fakes = examples
+            try:
+                with _SourceTracker(module, module_path), _attention_backends_off(off):
+                    gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
+                break
+            except Unsupported:
                 raise
-            # Flash and memory-efficient attention do not trace with symbolic sizes on every torch
-            # version and shape ("SymIntArrayRef expected to contain only concrete integers"): the
-            # graph keeps PyTorch's choice of backend then, on fresh symbols.
-            log.info("symbolic trace of %s without cuDNN attention failed (%s); traced with PyTorch's backends",
-                     module_path, _describe(exc))
-            examples, captured.shape_env = _compat.symbolic_fakes(state + signature.tensors, dims)
-            captured.fakes = examples
-            with _SourceTracker(module, module_path):
-                gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
+            except Exception as exc:
+                if attempt + 1 == len(attempts):
+                    raise
+                log.info("trace of %s with SDPA's %s backends off failed (%s); tracing again with %s off",
+                         module_path, "+".join(off), _describe(exc), "+".join(attempts[attempt + 1]) or "none")
     except Unsupported:
         raise
     except Exception as exc:  # anything the tracer cannot follow runs eagerly
