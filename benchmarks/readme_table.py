@@ -4,9 +4,11 @@
     python -m benchmarks readme --out table.md   # into a file ('-': stdout)
     python -m benchmarks readme --run benchmarks/results/<run>/   # from that run, whatever its device
 
-Each workload's rows come from the latest run folder (``benchmarks/results/<date>-<device>-<commit>/``)
-that measured it on a GPU (fixed shapes and varying lengths in a table each); every run used is
-listed with its device, date, commit and versions, and linked (its commands are in its folder). In README.md only the text between ``<!-- results-table -->`` and
+A workload's methods are those of the latest run folder
+(``benchmarks/results/<date>-<device>-<commit>/``) that measured it on a GPU and of the latest that
+measured eager PEFT on it; each row comes from the latest run that measured its method on that
+workload and shape, its ratio to eager PEFT from that same run (fixed shapes and varying lengths
+in a table each); every run used is listed with its device, date, commit and versions, and linked (its commands are in its folder). In README.md only the text between ``<!-- results-table -->`` and
 ``<!-- /results-table -->`` is replaced; without those markers nothing is written.
 """
 from __future__ import annotations
@@ -32,21 +34,40 @@ def step_records(folder: Path) -> list[tuple[dict, dict]]:
     return found
 
 
-def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = None) -> dict[str, tuple]:
-    """For each workload of ``suite``: (folder, the run's provenance, its rows) from the latest GPU run
-    that measured it (or from ``folder`` alone, whatever its device)."""
+def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = None) -> dict[str, list[tuple]]:
+    """For each workload of ``suite``: a (folder, the run's provenance, record) for each method of
+    the latest GPU run that measured the workload and of the latest that measured eager PEFT on it,
+    each method's from the latest run that measured it (or everything from ``folder`` alone,
+    whatever its device). Rows keep their runs' order, older runs first."""
     folders = [folder] if folder else [p for p in results.iterdir() if p.is_dir()]
-    found: dict[str, tuple] = {}
+    found: dict[tuple, tuple] = {}  # (workload, method[, batch, seq]) → (date, order, folder, run, record)
+    runs: dict[str, dict[str, set]] = {}  # workload → date → methods
     for f in folders:
-        for run, r in step_records(f):
+        for order, (run, r) in enumerate(step_records(f)):
             if r.get("suite", "main") != suite or (folder is None and str(run.get("device", "")).startswith("CPU")):
                 continue
-            date = str(run.get("date"))
-            if r["workload"] not in found or found[r["workload"]][0] < date:
-                found[r["workload"]] = (date, f, run, [])
-            if found[r["workload"]][2] is run:
-                found[r["workload"]][3].append(r)
-    return {w: (f, run, rows) for w, (_, f, run, rows) in found.items()}
+            # A fixed-shape row per shape; a varying-length workload's rows whatever its data's clip.
+            shape = (r.get("batch"), r.get("seq")) if suite == "main" else ()
+            key, date = (r["workload"], r["method"], *shape), str(run.get("date"))
+            runs.setdefault(r["workload"], {}).setdefault(date, set()).add(r["method"])
+            if key not in found or found[key][0] < date:
+                found[key] = (date, order, f, run, r)
+    shown = {}
+    for workload, dated in runs.items():
+        with_eager = [d for d, methods in dated.items() if report.REFERENCE in methods]
+        shown[workload] = dated[max(dated)] | (dated[max(with_eager)] if with_eager else set())
+    by_workload: dict[str, list[tuple]] = {}
+    for (workload, method, *_), (date, order, f, run, r) in sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if method in shown[workload]:
+            by_workload.setdefault(workload, []).append((f, run, r))
+    return by_workload
+
+
+def _eager_of(record: dict, rows: list[tuple], folder: Path) -> dict | None:
+    """Eager PEFT's ok record of the same run, workload and shape as ``record``, if that run has one."""
+    return next((r for f, _, r in rows if f == folder and r["method"] == report.REFERENCE and r.get("status") == "ok"
+                 and r.get("suite", "main") == record.get("suite", "main")
+                 and (r.get("batch"), r.get("seq")) == (record.get("batch"), record.get("seq"))), None)
 
 
 def _link(folder: Path) -> str:
@@ -59,22 +80,21 @@ def run_line(folder: Path, run: dict) -> str:
     return f"[{folder.name}]({_link(folder)}/): {run.get('device')}, {str(run.get('date'))[:10]}, commit {commit}; {versions}"
 
 
-def fixed_table(latest_rows: dict[str, tuple]) -> list[str]:
+def fixed_table(latest_rows: dict[str, list[tuple]]) -> list[str]:
     lines = ["| workload | method | tokens/s | vs eager PEFT | peak GiB | first step s (cold) | run |",
              "|---|---|---|---|---|---|---|"]
-    for workload, (folder, _, rows) in latest_rows.items():
-        for (_, batch, seq), group in report._group(rows, "main").items():
-            eager = next((r for r in group if r["method"] == report.REFERENCE and r.get("status") == "ok"), None)
-            for r in group:
-                name = f"{workload} {batch}×{seq}"
-                if r.get("status") != "ok":
-                    lines.append(f"| {name} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
-                    continue
-                vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
-                rate = f"{r['tokens_per_s']:,.0f}" + (f" ({r['images_per_s']:.2f} images/s)" if r.get("images_per_s") else "")
-                lines.append(f"| {name} | {r['method']} | {rate} | {vs} | "
-                             f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | "
-                             f"{report._num(r.get('first_step_s'), '.1f')} | {folder.name} |")
+    for workload, rows in latest_rows.items():
+        for folder, _, r in rows:
+            name = f"{workload} {r.get('batch')}×{r.get('seq')}"
+            if r.get("status") != "ok":
+                lines.append(f"| {name} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
+                continue
+            eager = _eager_of(r, rows, folder)
+            vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
+            rate = f"{r['tokens_per_s']:,.0f}" + (f" ({r['images_per_s']:.2f} images/s)" if r.get("images_per_s") else "")
+            lines.append(f"| {name} | {r['method']} | {rate} | {vs} | "
+                         f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | "
+                         f"{report._num(r.get('first_step_s'), '.1f')} | {folder.name} |")
     return lines
 
 
@@ -92,17 +112,17 @@ def length_max(record: dict, run: dict) -> int | None:
     return int(found.group(1)) if found else (spec["max"] if spec else None)
 
 
-def varlen_table(latest_rows: dict[str, tuple]) -> list[str]:
+def varlen_table(latest_rows: dict[str, list[tuple]]) -> list[str]:
     lines = ["| workload | method | real tokens/s, whole run | vs eager PEFT | run s (compiles included) | peak GiB | run |",
              "|---|---|---|---|---|---|---|"]
-    for workload, (folder, run, rows) in latest_rows.items():
-        eager = next((r for r in rows if r["method"] == report.REFERENCE and r.get("status") == "ok"), None)
-        for r in rows:
+    for workload, rows in latest_rows.items():
+        for folder, run, r in rows:
             longest = length_max(r, run)
             name = f"{workload} (lengths ≤ {longest})" if longest else workload
             if r.get("status") != "ok":
                 lines.append(f"| {name} | {r['method']} | {r.get('status')} | | | | {folder.name} |")
                 continue
+            eager = _eager_of(r, rows, folder)
             vs = f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}×" if eager else "—"
             lines.append(f"| {name} | {r['method']} | {r['tokens_per_s']:,.0f} | {vs} | {r['wall_s_run']:.1f} | "
                          f"{report._num(r.get('peak_memory_bytes'), '.2f', 1 / report.GIB)} | {folder.name} |")
@@ -115,9 +135,9 @@ def table_text(results: Path = harness.RESULTS, folder: Path | None = None) -> s
     if not fixed and not varying:
         raise LookupError(f"no step records measured on a GPU in {folder or results}: run `python -m benchmarks step` "
                           "on a GPU first, or name a run with --run")
-    runs = {f: (f, run) for f, run, _ in [*fixed.values(), *varying.values()]}  # a line per run folder
+    runs = {f: (f, run) for rows in [*fixed.values(), *varying.values()] for f, run, _ in rows}  # a line per run folder
     parts = ["<!-- generated by `python -m benchmarks readme`: regenerate rather than edit -->",
-             "Each workload's rows come from the latest run that measured it:", ""]
+             "Each row comes from the latest run that measured its method on its workload:", ""]
     parts += [f"- {run_line(f, run)}" for f, run in sorted(runs.values(), key=lambda fr: str(fr[1].get("date")), reverse=True)]
     if fixed:
         parts += ["", "Fixed shapes:", ""] + fixed_table(fixed)

@@ -581,6 +581,9 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     _step_run(results / "2026-01-03-h100-ccccccc", "2026-01-03T10:00:00+00:00", "GPU X",
               [dict(method="loracc", workload="qwen2-0.5b-varlen", suite="varlen", status="ok", tokens_per_s=900.0,
                     wall_s_run=12.0, peak_memory_bytes=2**30)])
+    # A later run of one method alone: its row replaces that method's, the others stay with their run.
+    _step_run(results / "2026-01-02-h100-bbbbbbb", "2026-01-02T10:00:00+00:00", "GPU X",
+              [_record("loracc-8gb", [1.0], tokens=800)])
     # A later CPU run (a smoke test) is not the README's latest result.
     _step_run(results / "2026-01-05-cpu-ddddddd", "2026-01-05T10:00:00+00:00", "CPU (x, 2 cores)",
               [_record("loracc", [1.0], tokens=5.0)])
@@ -588,6 +591,7 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     assert "- [2026-01-01-h100-aaaaaaa](" in table and "GPU X, 2026-01-01, commit abcdef0; torch 2.11.0\n" in table
     assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 | 2026-01-01-h100-aaaaaaa |" in table
     assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table and "cpu" not in table
+    assert "| qwen2-0.5b 8×1024 | loracc-8gb | 800 | — | 4.66 | 1.0 | 2026-01-02-h100-bbbbbbb |" in table
     assert "| qwen2-0.5b-varlen (lengths ≤ 4096) | loracc | 900 | — | 12.0 | 1.00 | 2026-01-03-h100-ccccccc |" in table
     readme = "# x\n\nbefore\n<!-- results-table -->\nold table\n<!-- /results-table -->\nafter\n"
     out = readme_table.replace_between_markers(readme, table)
