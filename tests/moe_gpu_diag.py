@@ -1,4 +1,4 @@
-"""``python tests/moe_gpu_diag.py`` (GPU): Qwen3-MoE tiny in bf16 autocast: loracc (triton and eager backends) vs eager PEFT,
+"""``python tests/moe_gpu_diag.py [--sharp 30]`` (GPU): Qwen3-MoE tiny in bf16 autocast: loracc (triton and eager backends) vs eager PEFT,
 each against an fp32 eager reference; the three worst LoRA gradients by ratio to eager's error."""
 import sys, copy, torch
 sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -7,6 +7,15 @@ from conftest import rel_err
 MOE = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 model = fs.with_lora(fs.build_causal_lm("qwen3_moe"), "causal-lm", **MOE).cuda()
+# --sharp: router weights scaled up, so that no token's top-k choice is a near tie and bf16
+# rounding cannot route a token to another expert than fp32 does (a routing flip moves that
+# expert's gradient far more than rounding does).
+SHARP = float(sys.argv[sys.argv.index("--sharp") + 1]) if "--sharp" in sys.argv else 1.0
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.mul_(SHARP)
+print("router scale", SHARP)
 vocab = model.config.vocab_size
 torch.manual_seed(0)
 runs = [("reference", model, False), ("eager", copy.deepcopy(model), True),
