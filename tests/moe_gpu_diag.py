@@ -3,6 +3,15 @@ each against an fp32 eager reference; the three worst LoRA gradients by ratio to
 import sys, copy, torch
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 import family_sweep as fs, loracc
+from loracc.codegen import fused_rows, lora_linear
+# NO=rows / NO=lora: the triton runs leave the fused row groups / the LoRA GEMM kernels to ATen (bisection)
+NO = __import__("os").environ.get("NO", "")
+if "rows" in NO:
+    def _reference_ops(group):
+        raise NotImplementedError("left to ATen by NO=rows")
+    fused_rows.kernel_for = _reference_ops
+if "lora" in NO:
+    lora_linear.unsupported = lambda *args, **kwargs: "left to ATen by NO=lora"
 from conftest import rel_err
 MOE = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
@@ -36,7 +45,10 @@ for step in range(3):
     for name in ("triton", "triton-nographs", "eager-backend"):
         cl, cg = res[name]
         worst = sorted(((rel_err(cg[n], r) / max(rel_err(eg[n], r), 1e-9), n, rel_err(eg[n], r), rel_err(cg[n], r)) for n, r in rg.items()), reverse=True)[:3]
-        print(f"step {step} {name}: loss err {rel_err(cl, rl):.2e} (eager {rel_err(el, rl):.2e})")
+        cat = lambda g: torch.cat([g[n].flatten() for n in sorted(rg)])
+        ratios = sorted(rel_err(cg[n], r) / max(rel_err(eg[n], r), 1e-9) for n, r in rg.items())
+        print(f"step {step} {name}: loss err {rel_err(cl, rl):.2e} (eager {rel_err(el, rl):.2e}); every LoRA gradient "
+              f"{rel_err(cat(cg), cat(rg)):.4f} (eager {rel_err(cat(eg), cat(rg)):.4f}); median ratio {ratios[len(ratios) // 2]:.2f}")
         for w in worst:
             print(f"W {w[0]:.2f} {w[1].replace('base_model.model.model.', '')} eager {w[2]:.4f} loracc {w[3]:.4f}")
 for name, m, _ in runs[2:]:
