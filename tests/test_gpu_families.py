@@ -4,8 +4,8 @@ where loracc runs its Triton kernels and CUDA graphs: GPT-2 (Conv1D layers with
 grouped GEMMs in the decoder layer's graph; LoRA on attention and on the fused expert weights).
 
 A 16-bit run is never equal to the fp32 one: loracc's loss and LoRA gradients must be as close to
-an fp32 eager reference as eager PEFT's own bf16 autocast run is. The loss and the error over every
-LoRA gradient together: within 1.5 times eager's (or the bf16 tolerance). Each gradient alone:
+an fp32 eager reference as eager PEFT's own bf16 autocast run is. The loss within twice eager's
+error, the error over every LoRA gradient together within 1.5 times eager's (or the bf16 tolerance). Each gradient alone:
 within 5 times eager's error (or the tolerance): the gradients of a tiny model are small tensors
 whose bf16 error is a noisy sample (on an H100, Qwen3-MoE's error over every gradient was 0.87-1.30
 times eager's while one expert's LoRA-A gradient was 4.3 times; `tests/moe_gpu_diag.py`), and a
@@ -62,7 +62,7 @@ def test_bf16_on_the_gpu_within_eager_bf16_error(family, lora):
                (torch.randint(3, vocab - 1, (2, n)) for n in (48, 48, 48))]  # the third call replays graphs
     compiled, runs = _runs(model, batches)
     for step, ((ref_loss, ref_grads), (eager_loss, eager_grads), (loracc_loss, loracc_grads)) in enumerate(runs):
-        assert rel_err(loracc_loss, ref_loss) <= max(1.5 * rel_err(eager_loss, ref_loss), TOL), step
+        assert rel_err(loracc_loss, ref_loss) <= max(2 * rel_err(eager_loss, ref_loss), TOL), step
         assert loracc_grads.keys() == ref_grads.keys()
         names = sorted(ref_grads)
         every = [torch.cat([grads[n].flatten() for n in names]) for grads in (ref_grads, eager_grads, loracc_grads)]
