@@ -66,6 +66,12 @@ WORKLOADS = {
     # The same with its frozen linears in NF4 with double quantization (loracc.quantize; QLoRA's
     # format), LoRA adapters in bf16 beside them; lm_head stays bf16.
     "llama-3-8b-nf4": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="nf4"),
+    # Its frozen linears in FP8 (e4m3, a scale per output channel: loracc.quantize(..., "fp8",
+    # block=None)), at 2 x 2048, and the bf16 base at the same shape: loracc runs the frozen GEMMs
+    # of the FP8 one on FP8 tensor cores (codegen/fp8_gemm.py).
+    "llama-3-8b-fp8": dict(family="llama", batch=2, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="fp8",
+                           quant_block=None),
+    "llama-3-8b-2x2048": dict(family="llama", batch=2, seq=2048, dtype="bfloat16", config=LLAMA_3_8B),
     "qwen3-moe": dict(family="qwen3_moe", batch=2, seq=2048, dtype="bfloat16", config=QWEN3_MOE, lora=MOE_LORA),
     # The same without the load-balancing loss: transformers records the router logits for it with
     # hooks, under which loracc runs the decoder layers eagerly; without it they are compiled.
@@ -141,8 +147,8 @@ def applies(method: str, workload: str) -> str | None:
         return f"{method} applies to causal language models only (choose from {', '.join(sorted(DIFFUSION_METHODS))})"
     if method.startswith("unsloth") and (spec.get("quant") or spec["family"] not in ("llama", "qwen2")):
         return "the benchmark loads Llama and Qwen2 bf16 bases into Unsloth only"
-    if method in ("peft-bnb", "loracc-bnb") and not spec.get("quant"):
-        return "bitsandbytes' NF4 base applies to the quantized workloads only (llama-3-8b-nf4, tiny-nf4)"
+    if method in ("peft-bnb", "loracc-bnb") and spec.get("quant") != "nf4":
+        return "bitsandbytes' NF4 base applies to the NF4 workloads only (llama-3-8b-nf4, tiny-nf4)"
     return None
 
 
@@ -250,7 +256,7 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
         import loracc
 
         progress("quantize")
-        loracc.quantize(model, spec["quant"], double_quant=True)
+        loracc.quantize(model, spec["quant"], double_quant=True, block=spec.get("quant_block", 128))
     dynamic = dynamic or method == "peft-compile-dynamic"
     shapes = ", dynamic=True (one graph for every sequence length)" if dynamic else ""
     if method in ("peft-compile", "peft-compile-dynamic"):

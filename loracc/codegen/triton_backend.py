@@ -2,7 +2,8 @@
 
 Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case the kernels cover
 (see ``lora_linear.unsupported``) calls ``lora_linear.lora_linear`` / ``lora_linear_backward``
-instead; every group the ``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
+instead (over a per-channel FP8 weight, on FP8 tensor cores: ``fp8_gemm``); every group the
+``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
 chunk (``cross_entropy``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated).
@@ -21,7 +22,7 @@ from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
 from ..ir.fused_rows import FusedRows
 from ..ir.graph import copy_nodes, info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
-from . import cross_entropy, fused_rows, lora_linear, precompile
+from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, precompile
 
 
 def available(device: torch.device) -> str | None:
@@ -87,6 +88,8 @@ class TritonBackend:
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
         ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
+        if fp8_gemm.available(self.device):  # LoRA layers over per-channel FP8 weights: FP8 tensor cores
+            self.report += [{"stage": stage, **entry} for entry in fp8_gemm.rewrite(graph)]
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
         # A graph with symbolic batch and sequence sizes: its kernels take those sizes at run time,
         # and the runtime replays it as a CUDA graph per size (runtime/sized_graphs.py).

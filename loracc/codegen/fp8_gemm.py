@@ -1,0 +1,134 @@
+"""Frozen FP8 GEMMs on FP8 tensor cores: a LoRA layer over a per-channel FP8 base.
+
+A base quantized by ``loracc.quantize(model, "fp8", block=None)`` (float8_e4m3fn weights with one
+fp32 scale per output channel, ``quant/fp8.py``) reaches the graph as ``loracc::dequant_fp8`` feeding
+``loracc::lora_linear`` and its backward. On a GPU with FP8 tensor cores (compute capability 8.9 or
+later) the Triton backend replaces that pair by ``lora_linear_fp8`` / ``lora_linear_fp8_backward``
+(``rewrite``): the frozen GEMMs read the FP8 weight as it is stored and run as ``torch._scaled_mm``
+with row-wise scales, and no 16-bit copy of the weight is decoded.
+
+- forward: ``x`` is quantized per row to float8_e4m3fn (``scale = amax / 448``, ``quantize_rows``);
+  ``y = (x_q · s_x) @ (W_q · s_w)ᵀ`` in fp32 accumulation, written in ``x``'s dtype;
+- input gradient: ``dX = dY @ W = (dY · s_w) @ W_q``: ``dY`` times the channel scales is quantized per
+  row, and the FP8 weight is read transposed (a column-major copy of ``W_q``, one byte per weight,
+  made for the call and freed after it);
+- the LoRA branch, the bias and every LoRA gradient are computed as ``loracc::lora_linear`` and its
+  backward compute them (``ir/ops.py``), in the adapters' dtype.
+
+The activations and output gradients are rounded to FP8 (3 mantissa bits, a scale per row): the
+frozen GEMMs' results differ from the decoded-weight path's by FP8's rounding, as in any FP8
+training recipe. Block-scaled FP8 weights (``block=128``) keep the decoded path: their scales vary
+along the contraction dimension, which row-wise scaled GEMMs cannot express. Shapes whose
+contraction or output dimension is not a multiple of 16 (what the FP8 GEMM needs) decode too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..ir.graph import info
+from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward
+from ..quant.fp8 import DEQUANT_FP8, FP8, FP8_MAX, dequantize_fp8
+
+Tensor = torch.Tensor
+ALIGN = 16  # what torch._scaled_mm needs of K and N
+
+
+def available(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 tensor cores for ``torch._scaled_mm`` (compute capability 8.9+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` [M, K] as float8_e4m3fn values and an fp32 scale per row [M, 1]: ``x ≈ q · scale``,
+    ``scale = amax / 448`` (1 for a row of zeros)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _fits(in_features: int, out_features: int) -> bool:
+    return in_features % ALIGN == 0 and out_features % ALIGN == 0
+
+
+def lora_linear_fp8(x: Tensor, bits: Tensor, w_scale: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                    scale: float, lora_x: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``loracc::lora_linear(x, dequant_fp8(bits, w_scale, 0, x.dtype), bias, ...)`` with the frozen
+    GEMM on FP8 tensor cores; returns ``(y, su)`` as that op does."""
+    out_features, in_features = bits.shape
+    if not _fits(in_features, out_features):
+        weight = dequantize_fp8(bits.view(FP8), w_scale, None, x.dtype)
+        return torch.ops.loracc.lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_x)
+    lead = x.shape[:-1]
+    xq, xs = quantize_rows(x.reshape(-1, in_features))
+    base = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1),
+                            out_dtype=x.dtype)
+    if bias is not None:
+        base = base + bias.to(x.dtype)
+    lora_in = (x if lora_x is None else lora_x).to(lora_a.dtype).reshape(-1, in_features)
+    u = F.linear(lora_in, lora_a)
+    lora = F.linear(u, lora_b) * scale
+    y = (base + lora).to(base.dtype).reshape(*lead, out_features)
+    return y, (u * scale).to(x.dtype).reshape(-1, lora_a.shape[0])
+
+
+def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bits: Tensor, w_scale: Tensor,
+                             lora_a: Tensor, lora_b: Tensor, scale: float, lora_in_is_x: bool, need_grad_x: bool,
+                             need_grad_lora_in: bool, need_grad_bias: bool):
+    """``loracc::lora_linear_backward`` over the FP8 weight, ``dX``'s frozen GEMM on FP8 tensor cores:
+    ``(dx, dlora_in, dlora_a, dlora_b, dbias)``."""
+    out_features, in_features = bits.shape
+    if not (need_grad_x and _fits(in_features, out_features)):
+        weight = dequantize_fp8(bits.view(FP8), w_scale, None, grad_y.dtype)
+        return lora_linear_backward(grad_y, lora_in, lora_u, weight, lora_a, lora_b, scale, lora_in_is_x,
+                                    need_grad_x, need_grad_lora_in, need_grad_bias)
+    # The LoRA gradients exactly as the reference op: called without dX, it reads only the weight's
+    # shape (a zero-stride stand-in, no memory).
+    shape_only = lora_u.new_zeros(()).expand(out_features, in_features)
+    _, grad_lora_in, grad_a, grad_b, grad_bias = lora_linear_backward(
+        grad_y, lora_in, lora_u, shape_only, lora_a, lora_b, scale, lora_in_is_x, False, need_grad_lora_in,
+        need_grad_bias)
+    lead = grad_y.shape[:-1]
+    gy = grad_y.reshape(-1, out_features)
+    gq, gs = quantize_rows(gy.float() * w_scale.float().reshape(1, -1))
+    weight_t = bits.view(FP8).t().contiguous()  # [K, N] row-major: W_q column-major, as the GEMM reads it
+    ones = torch.ones((1, in_features), dtype=torch.float32, device=gy.device)
+    grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
+    if lora_in_is_x:
+        grad_u = (gy.to(lora_a.dtype) @ lora_b) * scale
+        grad_x = torch.addmm(grad_x, grad_u.to(grad_x.dtype), lora_a.to(grad_x.dtype))
+    return grad_x.reshape(*lead, in_features), grad_lora_in, grad_a, grad_b, grad_bias
+
+
+def _per_channel_decode(node) -> fx.Node | None:
+    """The ``loracc::dequant_fp8`` node with per-channel scales that ``node``'s weight argument is, if any."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is DEQUANT_FP8:
+        block = node.args[2] if len(node.args) > 2 else node.kwargs.get("block")
+        return node if block == 0 else None
+    return None
+
+
+def rewrite(graph: fx.Graph) -> list[dict]:
+    """Retarget every ``lora_linear`` (and backward) whose weight is a per-channel FP8 decode to the
+    FP8 tensor-core functions above; decodes left without users go. Returns one report entry a node."""
+    report = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
+            continue
+        at = 1 if node.target is LORA_LINEAR else 3  # the weight argument
+        decode = _per_channel_decode(node.args[at])
+        if decode is None:
+            continue
+        bits, w_scale = decode.args[:2]
+        args = list(node.args)
+        args[at:at + 1] = [bits, w_scale]
+        node.args = tuple(args)
+        node.target = lora_linear_fp8 if at == 1 else lora_linear_fp8_backward
+        if not decode.users:
+            graph.erase_node(decode)
+        report.append({"node": node.name, "layer": info(node).get("lora_layer") or info(node).get("module"),
+                       "runs": "FP8 tensor cores (torch._scaled_mm, row-wise scaled e4m3 activations)"})
+    return report
+
