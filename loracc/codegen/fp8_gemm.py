@@ -7,7 +7,8 @@ later) the Triton backend replaces that pair by ``lora_linear_fp8`` / ``lora_lin
 (``rewrite``): the frozen GEMMs read the FP8 weight as it is stored and run as ``torch._scaled_mm``
 with row-wise scales, and no 16-bit copy of the weight is decoded.
 
-- forward: ``x`` is quantized per row to float8_e4m3fn (``scale = amax / 448``, ``quantize_rows``);
+- forward: ``x`` is quantized per row to float8_e4m3fn (``scale = amax / 448``, ``quantize_rows``:
+  one Triton kernel on a GPU);
   ``y = (x_q · s_x) @ (W_q · s_w)ᵀ`` in fp32 accumulation, written in ``x``'s dtype;
 - input gradient: ``dX = dY @ W = (dY · s_w) @ W_q``: ``dY`` times the channel scales is quantized per
   row, and the FP8 weight is read transposed (a column-major copy of ``W_q``, one byte per weight,
@@ -23,6 +24,8 @@ contraction or output dimension is not a multiple of 16 (what the FP8 GEMM needs
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -30,6 +33,9 @@ import torch.nn.functional as F
 from ..ir.graph import info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward
 from ..quant.fp8 import DEQUANT_FP8, FP8, FP8_MAX, dequantize_fp8
+from . import cache
+from .lora_gemm import DTYPE_NAMES
+from .render import render
 
 Tensor = torch.Tensor
 ALIGN = 16  # what torch._scaled_mm needs of K and N
@@ -40,13 +46,47 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x`` [M, K] as float8_e4m3fn values and an fp32 scale per row [M, 1]: ``x ≈ q · scale``,
-    ``scale = amax / 448`` (1 for a row of zeros)."""
-    xf = x.float()
+def quantize_rows(x: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``v = x · col_scale`` (``x`` [M, K], ``col_scale`` fp32 [K] or None) as float8_e4m3fn values
+    and an fp32 scale per row [M, 1]: ``v ≈ q · scale``, ``scale = amax(|v|) / 448`` (1 for a row of
+    zeros). On a GPU one Triton kernel (``templates/fp8_quant_rows.py.jinja``: a read of ``x``, a
+    write of the FP8 bytes), elsewhere ``quantize_rows_reference``."""
+    if not x.is_cuda:
+        return quantize_rows_reference(x, col_scale)
+    return quantize_rows_kernel(x, col_scale)
+
+
+def quantize_rows_reference(x: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``quantize_rows`` in torch ops."""
+    xf = x.float() if col_scale is None else x.float() * col_scale.float().reshape(1, -1)
     amax = xf.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@functools.cache
+def _quant_kernel(cols: int, dtype: torch.dtype, col_scale: bool, device: torch.device):
+    dt = DTYPE_NAMES[dtype]
+    name = f"fp8_quant_rows_{cols}_{dt}{'_colscaled' if col_scale else ''}"
+    shapes = [f"x: [M, {cols}] {dt}"] + ([f"col_scale: [{cols}] fp32"] if col_scale else []) + [
+        f"q: [M, {cols}] float8_e4m3fn", "scale: [M] fp32"]
+    source = render("fp8_quant_rows.py.jinja", name=name, K=cols, dtype_name=dt, col_scale=col_scale, shapes=shapes)
+    return cache.load_kernel(name, source, device)
+
+
+def quantize_rows_kernel(x: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``quantize_rows`` as the Triton kernel (on a CPU: in Triton's interpreter)."""
+    rows, cols = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((rows, cols), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        kernel = _quant_kernel(cols, x.dtype, col_scale is not None, x.device)
+        extra = [] if col_scale is None else [col_scale.float().contiguous()]
+        kernel[(rows,)](x, *extra, q, scale, x.stride(0), BLOCK_K=min(1024, 1 << (cols - 1).bit_length()),
+                        num_warps=4)
+    return q, scale
 
 
 def _fits(in_features: int, out_features: int) -> bool:
@@ -92,7 +132,7 @@ def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bi
         need_grad_bias)
     lead = grad_y.shape[:-1]
     gy = grad_y.reshape(-1, out_features)
-    gq, gs = quantize_rows(gy.float() * w_scale.float().reshape(1, -1))
+    gq, gs = quantize_rows(gy, w_scale.reshape(-1))
     weight_t = bits.view(FP8).t().contiguous()  # [K, N] row-major: W_q column-major, as the GEMM reads it
     ones = torch.ones((1, in_features), dtype=torch.float32, device=gy.device)
     grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
