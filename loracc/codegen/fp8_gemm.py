@@ -13,8 +13,9 @@ with row-wise scales, and no 16-bit copy of the weight is decoded.
 - input gradient: ``dX = dY @ W = (dY · s_w) @ W_q``: ``dY`` times the channel scales is quantized per
   row, and the FP8 weight is read transposed (a column-major copy of ``W_q``, one byte per weight,
   made for the call and freed after it);
-- the LoRA branch, the bias and every LoRA gradient are computed as ``loracc::lora_linear`` and its
-  backward compute them (``ir/ops.py``), in the adapters' dtype.
+- the LoRA branch, the bias and every LoRA gradient are computed as the cuBLAS path of
+  ``codegen.lora_linear`` computes them (fp32 adapters cast to the base dtype, their gradients
+  accumulated in fp32).
 
 The activations and output gradients are rounded to FP8 (3 mantissa bits, a scale per row): the
 frozen GEMMs' results differ from the decoded-weight path's by FP8's rounding, as in any FP8
@@ -31,9 +32,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ir.graph import info
-from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward
+from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward, or_empty
 from ..quant.fp8 import DEQUANT_FP8, FP8, FP8_MAX, dequantize_fp8
 from . import cache
+from . import lora_linear as lora_kernels
 from .lora_gemm import DTYPE_NAMES
 from .render import render
 
@@ -96,50 +98,55 @@ def _fits(in_features: int, out_features: int) -> bool:
 def lora_linear_fp8(x: Tensor, bits: Tensor, w_scale: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                     scale: float, lora_x: Tensor | None) -> tuple[Tensor, Tensor]:
     """``loracc::lora_linear(x, dequant_fp8(bits, w_scale, 0, x.dtype), bias, ...)`` with the frozen
-    GEMM on FP8 tensor cores; returns ``(y, su)`` as that op does."""
+    GEMM on FP8 tensor cores; returns ``(y, su)`` as that op does. The LoRA branch is the cuBLAS
+    path of ``codegen.lora_linear`` (adapters cast to ``x``'s dtype, ``su@Bᵀ`` added into ``y``)."""
     out_features, in_features = bits.shape
     if not _fits(in_features, out_features):
         weight = dequantize_fp8(bits.view(FP8), w_scale, None, x.dtype)
         return torch.ops.loracc.lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_x)
     lead = x.shape[:-1]
-    xq, xs = quantize_rows(x.reshape(-1, in_features))
-    base = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1),
-                            out_dtype=x.dtype)
+    x2 = x.reshape(-1, in_features)
+    lin2 = None if lora_x is None else lora_x.reshape(-1, in_features)
+    xq, xs = quantize_rows(x2)
+    y = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1),
+                         out_dtype=x.dtype)
     if bias is not None:
-        base = base + bias.to(x.dtype)
-    lora_in = (x if lora_x is None else lora_x).to(lora_a.dtype).reshape(-1, in_features)
-    u = F.linear(lora_in, lora_a)
-    lora = F.linear(u, lora_b) * scale
-    y = (base + lora).to(base.dtype).reshape(*lead, out_features)
-    return y, (u * scale).to(x.dtype).reshape(-1, lora_a.shape[0])
+        y = y.add_(bias.to(x.dtype))
+    su = lora_kernels._scaled_u(x2, lin2, lora_a, scale)
+    y = y.addmm_(su, lora_b.to(x2.dtype).t())
+    return y.reshape(*lead, out_features), su
 
 
 def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bits: Tensor, w_scale: Tensor,
                              lora_a: Tensor, lora_b: Tensor, scale: float, lora_in_is_x: bool, need_grad_x: bool,
                              need_grad_lora_in: bool, need_grad_bias: bool):
     """``loracc::lora_linear_backward`` over the FP8 weight, ``dX``'s frozen GEMM on FP8 tensor cores:
-    ``(dx, dlora_in, dlora_a, dlora_b, dbias)``."""
+    ``(dx, dlora_in, dlora_a, dlora_b, dbias)``. The LoRA products are ``codegen.lora_linear``'s
+    cuBLAS ones; without an input gradient the FP8 weight is not read at all."""
     out_features, in_features = bits.shape
-    if not (need_grad_x and _fits(in_features, out_features)):
+    if need_grad_x and not _fits(in_features, out_features):
         weight = dequantize_fp8(bits.view(FP8), w_scale, None, grad_y.dtype)
         return lora_linear_backward(grad_y, lora_in, lora_u, weight, lora_a, lora_b, scale, lora_in_is_x,
                                     need_grad_x, need_grad_lora_in, need_grad_bias)
-    # The LoRA gradients exactly as the reference op: called without dX, it reads only the weight's
-    # shape (a zero-stride stand-in, no memory).
-    shape_only = lora_u.new_zeros(()).expand(out_features, in_features)
-    _, grad_lora_in, grad_a, grad_b, grad_bias = lora_linear_backward(
-        grad_y, lora_in, lora_u, shape_only, lora_a, lora_b, scale, lora_in_is_x, False, need_grad_lora_in,
-        need_grad_bias)
     lead = grad_y.shape[:-1]
-    gy = grad_y.reshape(-1, out_features)
-    gq, gs = quantize_rows(gy, w_scale.reshape(-1))
-    weight_t = bits.view(FP8).t().contiguous()  # [K, N] row-major: W_q column-major, as the GEMM reads it
-    ones = torch.ones((1, in_features), dtype=torch.float32, device=gy.device)
-    grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
-    if lora_in_is_x:
-        grad_u = (gy.to(lora_a.dtype) @ lora_b) * scale
-        grad_x = torch.addmm(grad_x, grad_u.to(grad_x.dtype), lora_a.to(grad_x.dtype))
-    return grad_x.reshape(*lead, in_features), grad_lora_in, grad_a, grad_b, grad_bias
+    gy2 = grad_y.reshape(-1, out_features)
+    lin2 = lora_in.reshape(-1, in_features)
+    a_c, b_c = lora_a.to(gy2.dtype), lora_b.to(gy2.dtype)
+    grad_u = lora_kernels._scaled_mm(gy2, b_c, scale)
+    grad_x = grad_lin = None
+    if need_grad_x:
+        gq, gs = quantize_rows(gy2, w_scale.reshape(-1))
+        weight_t = bits.view(FP8).t().contiguous()  # [K, N] row-major: W_q column-major, as the GEMM reads it
+        ones = torch.ones((1, in_features), dtype=torch.float32, device=gy2.device)
+        grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
+        if lora_in_is_x:
+            grad_x = grad_x.addmm_(grad_u, a_c)
+    if need_grad_lora_in and not lora_in_is_x:
+        grad_lin = torch.mm(grad_u, a_c)
+    grad_a, grad_b = lora_kernels._adapter_grads(gy2, lin2, lora_u, grad_u, lora_a.dtype)
+    return (or_empty(None if grad_x is None else grad_x.reshape(*lead, in_features), grad_y),
+            or_empty(None if grad_lin is None else grad_lin.reshape(lora_in.shape), grad_y),
+            grad_a, grad_b, or_empty(gy2.sum(0) if need_grad_bias else None, grad_y))
 
 
 def _per_channel_decode(node) -> fx.Node | None:
