@@ -107,10 +107,10 @@ def test_random_bf16_inputs_are_within_fp8_rounding():
 @pytest.mark.parametrize("dtype,cols,col_scale", [(torch.bfloat16, 1000, False), (torch.float32, 80, True),
                                                    (torch.bfloat16, 2056, True)])
 def test_row_quantization_kernel_matches_the_reference(dtype, cols, col_scale):
-    """The Triton kernel against ``quantize_rows_reference``: the same scales and, on a GPU, the same
-    FP8 values (Triton 3.x's interpreter casts fp32 to FP8 wrongly for some values, 125.2 to 64:
-    on a CPU the values are compared where both are zero only). A zero row gets scale 1; rows are
-    strided."""
+    """The Triton kernel against ``quantize_rows_reference``: the same scales (to an ulp) and, on a
+    GPU, every value the FP8 number nearest to ``v / scale`` (Triton 3.x's interpreter casts fp32 to
+    FP8 wrongly for some values, 125.2 to 64: on a CPU the values are compared on the zero row
+    only). A zero row gets scale 1; rows are strided."""
     from loracc.codegen.triton_backend import available
 
     if available(DEVICE) is not None:
@@ -122,13 +122,17 @@ def test_row_quantization_kernel_matches_the_reference(dtype, cols, col_scale):
     scale = (torch.rand(cols, generator=g) * 4).to(DEVICE) if col_scale else None
     q, s = fp8_gemm.quantize_rows_kernel(x, scale)
     want_q, want_s = fp8_gemm.quantize_rows_reference(x, scale)
-    assert torch.equal(s, want_s) and s[5].item() == 1.0, (s - want_s).abs().max()
-    got, want = q.float(), want_q.float()
+    # The kernel divides by 448 where torch's CUDA division by a number multiplies by its reciprocal:
+    # the scales agree to an ulp, so the values are checked against the row they encode.
+    assert rel_err(s, want_s) <= 1e-6 and s[5].item() == 1.0, (s - want_s).abs().max()
+    got = q.float()
     if DEVICE.type == "cuda":
-        differ = got != want
-        assert not differ.any(), (int(differ.sum()), got[differ][:6].tolist(), want[differ][:6].tolist())
+        v = x.float() if scale is None else x.float() * scale
+        step = torch.exp2(torch.floor(torch.log2((v / s).abs().clamp(min=2.0 ** -6))) - 3)  # an FP8 step at |v/s|
+        assert ((got - v / s).abs() <= step / 2 + 1e-6).all()  # rounded to the nearest FP8 value
+        assert rel_err(got, want_q.float()) <= 1e-2
     else:
-        assert torch.equal(got[5], want[5]) and not got[5].any()
+        assert torch.equal(got[5], want_q.float()[5]) and not got[5].any()
 
 
 def test_shapes_the_fp8_gemm_cannot_take_use_the_decoded_weight():
