@@ -39,13 +39,6 @@ def budget_value(text: str):
     return None if text.lower() in ("none", SAVE_ALL) else parse_budget(text)
 
 
-def persistent_bytes(peft_model) -> int:
-    """What lives across steps: every parameter and buffer, the LoRA gradients and AdamW's two states."""
-    tensors = {id(t): t for t in list(peft_model.parameters()) + list(peft_model.buffers())}.values()
-    trainable = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
-    return sum(t.numel() * t.element_size() for t in tensors) + 3 * trainable
-
-
 def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
     """One budget on one workload, in this process."""
     import torch
@@ -73,7 +66,9 @@ def run_one(workload: str, budget_text: str, batch: int, seq: int, steps: int, w
     runs = [(program, len(region.modules) if region.kind == "block" else 1) for region, program in regions]
     # What cuda_graphs="auto" (the default with memory_budget=None) decided: kept graphs hold memory.
     record["cuda_graphs"] = loracc.explain(peft_model).cuda_graphs
-    record["persistent_bytes"] = persistent_bytes(peft_model)
+    # loracc's own count (runtime.memory.persistent_bytes): parameters, buffers, LoRA gradients and
+    # FusedAdamW's fp32 moments, the figure its budgets plan with.
+    record["persistent_bytes"] = peft_model._loracc.persistent_bytes
     record["predicted_peak_bytes"] = predicted_peak_bytes(runs, record["persistent_bytes"])
     record["graph_pool"] = graph_pool_bytes(peft_model)
     record["regions"] = [
