@@ -29,7 +29,6 @@ import functools
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..ir.graph import info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward, or_empty
