@@ -26,35 +26,44 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
     ``lazy_graph_module``. ``decompositions``: ATen op → a function of the op's arguments traced in
     its place.
     """
-    if any(is_symbolic(t) for t in example_inputs):
-        fn = _with_symbolic_linear(fn)
+    fn = _with_traced_linear(fn, symbolic=any(is_symbolic(t) for t in example_inputs))
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
     with _without_saved_tensors_hooks(), _preserve_meta(), _use_lazy_graph_module(True):
         return traced(*example_inputs)
 
 
-def _with_symbolic_linear(fn):
-    """``fn`` with ``F.linear`` traced as view + mm (+ bias) + view, written with symbolic sizes:
-    ATen's own composite ``linear`` reads concrete sizes on some torch versions (2.11), which would
-    fix a symbolic batch or sequence size to the traced one. ``passes.cleanup`` folds it back into
-    one ``aten.linear``."""
+def _with_traced_linear(fn, symbolic: bool):
+    """``fn`` with ``F.linear`` traced as view + mm (+ bias) + view (``passes.cleanup`` folds it back
+    into one ``aten.linear``): always in a symbolic trace, where ATen's own composite ``linear``
+    reads concrete sizes on some torch versions (2.11) and would fix a symbolic batch or sequence
+    size to the traced one; in a static trace for an input of 3 or more dims that is not contiguous,
+    which ATen's composite turns into expand + bmm (SD3's sliced attention output before
+    ``to_out.0``), a pattern ``lora_match`` does not take. Under autocast the operands are cast
+    first, as autocast casts ``linear``'s."""
     from torch.overrides import TorchFunctionMode
 
     def linear(x, weight, bias=None):
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.is_floating_point():
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         if x.dim() == 2:
             return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         flat = x.reshape(-1, x.shape[-1])
         out = torch.mm(flat, weight.t()) if bias is None else torch.addmm(bias, flat, weight.t())
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    class SymbolicLinear(TorchFunctionMode):
+    class TracedLinear(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is torch.nn.functional.linear or func is torch._C._nn.linear:
-                return linear(*args, **(kwargs or {}))
+                x = args[0] if args else kwargs["input"]
+                if symbolic or (x.dim() >= 3 and not x.is_contiguous()):
+                    return linear(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
 
     def traced(*args):
-        with SymbolicLinear():
+        with TracedLinear():
             return fn(*args)
 
     return traced

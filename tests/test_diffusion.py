@@ -211,16 +211,9 @@ def test_transformer_blocks_run_compiled(trained):
         assert {"ResnetBlock2D", "Downsample2D", "Upsample2D"} <= others, others
 
 
-SD3_UNFUSED = (
-    "lora_match: SD3's JointAttnProcessor2_0 slices the joint attention output (hidden_states[:, :n]) before "
-    "to_out.0 / to_add_out; with batch > 1 the slice is not contiguous and the traced base linear is an expand + "
-    "bmm while the LoRA branch is a clone + mm, which the pattern does not take (the gradients stay right, through "
-    "the unfused ops)")
-
-
-def test_every_lora_layer_in_the_blocks_is_fused(trained, request):
-    if trained.name == "sd3":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=SD3_UNFUSED))
+def test_every_lora_layer_in_the_blocks_is_fused(trained):
+    """SD3's joint attention slices its output before ``to_out.0`` / ``to_add_out``: with batch > 1 the
+    slice is not contiguous, and the base linear and the LoRA branch each read their own copy of it."""
     for r, _, module in _regions(trained.compiled):
         layers = [n for n, m in module.named_modules() if hasattr(m, "lora_A")]
         assert r.lora_layers_matched == len(layers) and not r.unmatched_lora, (r.name, r.unmatched_lora)

@@ -115,6 +115,25 @@ def test_many_lengths_share_one_symbolic_program_per_region():
     assert "symbolic" in str(loracc.explain(compiled))
 
 
+def test_symbolic_programs_fuse_every_lora_layer_under_autocast():
+    """Under bf16 autocast (Trainer's ``bf16=True`` over an fp32 model) the symbolic program traces
+    each linear with its operands cast as autocast casts them, so ``cleanup`` folds it and every
+    LoRA layer fuses, as in the static program (none did before); losses stay with eager's."""
+    eager, compiled = _pair(layers=2)
+    vocab = eager.config.vocab_size
+    for seq in (9, 13, 17):
+        ids = torch.randint(0, vocab, (2, seq))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a, b = _step(eager, {"input_ids": ids, "labels": ids}), _step(compiled, {"input_ids": ids, "labels": ids})
+        assert rel_err(b, a) <= 2e-2, (seq, a.item(), b.item())
+    blocks = [r for r in compiled._loracc.regions if r.kind == "block"]
+    assert blocks and all(r.dynamic_programs for r in blocks)
+    for region in blocks:
+        for program in region.dynamic_programs:
+            report = program.reports["lora_match"]
+            assert report["matched"] == 7 and not report.get("unmatched"), (region.name, report)
+
+
 def test_new_batch_sizes_reuse_the_symbolic_program():
     eager, compiled = _pair()
     vocab = eager.config.vocab_size

@@ -170,6 +170,8 @@ def _match_add(add: fx.Node):
             lora_in = x  # under autocast: the branch's own cast of x, to the same dtype
         elif _is_cast_of(lora_in, x) and _only_user(lora_in, u):
             lora_in = x  # the op casts x to the adapters' dtype itself (PEFT's fp32 adapters)
+        elif _copied(lora_in) is _copied(x) and _only_user(lora_in, u):
+            lora_in = x  # two copies of one value: a linear copies a non-contiguous input (SD3's sliced attention)
         # Each intermediate, from the base GEMM and from the B GEMM to the add, read by the next alone.
         base_chain = [base_linear] + ([base] if base is not base_linear else []) + [add]
         branch_chain = [u, lora_scaled] + [n for n in (branch if cast is None else cast.args[0], cast)
@@ -183,6 +185,12 @@ def _match_add(add: fx.Node):
             continue
         return end, x, weight, bias, lora_a, lora_b, scale, (None if lora_in is x else lora_in)
     return None
+
+
+def _copied(node):
+    """The value ``node`` is a copy of when it is ``clone(v)`` in any memory format (the same values),
+    else ``node``."""
+    return node.args[0] if _is(node, aten.clone.default) else node
 
 
 def _uncloned(node):
