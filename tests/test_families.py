@@ -121,6 +121,24 @@ def test_a_layer_called_twice_in_one_step():
     _check(fs.with_lora(model, "causal-lm", target_modules=["q_proj", "o_proj", "down_proj"]))
 
 
+def test_a_hybrid_decoder_compiles_each_layer_class_as_a_region():
+    """A decoder whose layer list mixes layer classes (a hybrid model: attention and linear-attention
+    or state-space layers, e.g. OLMo-Hybrid) gets a block region per class, compiled and equal to
+    eager (without it the whole list ran eagerly, with no warning)."""
+    model = _llama()
+
+    class OtherDecoderLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+        pass
+
+    layers = model.model.layers
+    other = OtherDecoderLayer(model.config, layer_idx=1)
+    other.load_state_dict(layers[1].state_dict())
+    model.model.layers = torch.nn.ModuleList([layers[0], other])
+    result = _check(fs.with_lora(model, "causal-lm", target_modules=["q_proj", "v_proj", "down_proj"]))
+    blocks = [name for kind, name, compiled in result.regions if kind == "block" and compiled]
+    assert len(blocks) == 2 and any("OtherDecoderLayer" in name for name in blocks), result.regions
+
+
 # --- mixture of experts ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])

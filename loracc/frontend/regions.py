@@ -3,7 +3,7 @@
 Regions:
 
 - **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules with LoRA (a decoder's
-  layers), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
+  layers; a hybrid decoder's layers of several classes too), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
   layers whose structure is the same (parameters, flags such as a sliding window) share one region,
   so a model is captured once however deep it is;
 - **head**: for a Hugging Face causal LM, the final norm + vocabulary projection + loss
@@ -192,8 +192,8 @@ def _forward_recording(keys: tuple[str, ...]):
 
 
 def _find_block_lists(model: nn.Module):
-    """The outermost ModuleLists of same-class modules with parameters that are block regions, and
-    their owners: those with LoRA parameters (a decoder's layers, a UNet's transformer blocks), and
+    """The outermost ModuleLists of same-class modules (or of transformers decoder layers of several
+    classes: a hybrid decoder) with parameters that are block regions, and their owners: those with LoRA parameters (a decoder's layers, a UNet's transformer blocks), and
     the frozen ones of the same stage (a UNet's ResNet blocks and samplers), which carry the input
     gradient between LoRA blocks. A stage is the owner of a LoRA list or, where that owner is one
     element of an outer ModuleList (a UNet's ``down_blocks``), that outer list: frozen lists
@@ -204,7 +204,8 @@ def _find_block_lists(model: nn.Module):
             continue
         if any(name.startswith(prefix + ".") for prefix, _ in lists):
             continue
-        if len({type(m) for m in module}) == 1 and any(True for _ in module[0].parameters()):
+        same_class = len({type(m) for m in module}) == 1
+        if (same_class or all(map(_is_hf_layer, module))) and any(True for _ in module[0].parameters()):
             lists.append((name, module))
     with_lora = [name for name, module in lists if find_lora_layers(module)]
     stages = {_stage(model, name) for name in with_lora}
@@ -214,6 +215,13 @@ def _find_block_lists(model: nn.Module):
             owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             found.append((name, owner, list(enumerate(module))))
     return found
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers decoder layer (a ``GradientCheckpointingLayer``, by class
+    name: no import of transformers). A hybrid decoder's layer list mixes such classes (attention and
+    linear-attention or state-space layers): each class becomes a region of its own (``_group_layers``)."""
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
 
 
 def _stage(model: nn.Module, list_path: str) -> str:
