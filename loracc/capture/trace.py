@@ -154,10 +154,10 @@ class CapturedForward:
 def module_state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     """The names and tensors of a module's parameters then buffers, the graph's first inputs: those
     of ``named_parameters(remove_duplicate=False)`` then ``named_buffers(remove_duplicate=False)``,
-    in their order. A region calls this at every layer call; walking the module tree each time cost
-    ~1 ms a layer, so where the tree is unchanged since the last call (``_StatePlan.valid``) the
-    tensors are read straight from the dictionaries that hold them (a parameter replaced in place
-    of another is read as the new one)."""
+    in their order. A region calls this at every layer call: where the module tree is unchanged
+    since the last call (``_StatePlan.valid``) the tensors are read straight from the dictionaries
+    that hold them, without walking the tree (a parameter replaced in place of another is read as
+    the new one); decision 017 has the profile that asked for it."""
     plan = _STATE_PLANS.get(module)
     if plan is None or not plan.valid():
         plan = _STATE_PLANS[module] = _StatePlan(module)
@@ -200,10 +200,9 @@ def dynamic_dims(tensors: list[torch.Tensor]) -> list[list[bool]]:
 
 
 # Which of scaled-dot-product attention's backends a trace turns off, in the order tried. cuDNN's is
-# off: on an H100 with torch 2.11 (cuDNN 9.19) its backward gave a FLUX.1-dev block an input
-# gradient 1000 times the math, flash and memory-efficient backends' (and the whole model an illegal
-# memory access), and it builds an execution plan for every new shape, which a symbolic graph meets
-# at every length (decisions 013 and 016). A symbolic trace that fails with flash ("SymIntArrayRef
+# off: its backward computed a wrong input gradient for a FLUX.1-dev block (decision 016), and it
+# builds an execution plan for every new shape, which a symbolic graph meets at every length
+# (decision 013). A symbolic trace that fails with flash ("SymIntArrayRef
 # expected to contain only concrete integers" on some torch versions and shapes) is tried again
 # with memory-efficient attention, then with PyTorch's own choice.
 ATTENTION_OFF = {"static": [("cudnn",)], "symbolic": [("cudnn",), ("cudnn", "flash"), ()]}
