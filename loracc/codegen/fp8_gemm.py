@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..ir.graph import info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward, or_empty
-from ..quant.fp8 import DEQUANT_FP8, FP8, FP8_MAX, dequantize_fp8
+from ..quant.fp8 import DEQUANT_FP8, FP8, dequantize_fp8, quantize_fp8
 from . import cache
 from . import lora_linear as lora_kernels
 from .lora_gemm import DTYPE_NAMES
@@ -58,11 +58,10 @@ def quantize_rows(x: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, T
 
 
 def quantize_rows_reference(x: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``quantize_rows`` in torch ops."""
-    xf = x.float() if col_scale is None else x.float() * col_scale.float().reshape(1, -1)
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """``quantize_rows`` in torch ops: the per-channel weight quantization (``quantize_fp8``), one
+    scale per row."""
+    q = quantize_fp8(x if col_scale is None else x.float() * col_scale.float().reshape(1, -1), None)
+    return q.data, q.scale
 
 
 @functools.cache
