@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -149,8 +150,9 @@ def test_shapes_the_fp8_gemm_cannot_take_use_the_decoded_weight():
 def test_the_triton_backend_runs_per_channel_fp8_layers_on_fp8_gemms(monkeypatch, tmp_path):
     """A tiny Llama with a per-channel FP8 base, compiled with the Triton backend (interpreted on a
     CPU, where ``available`` is forced): its LoRA layers' frozen GEMMs are the FP8 functions (in
-    ``explain``'s kernel report, no ``dequant_fp8`` left for them), and its loss and LoRA gradients
-    are eager's within FP8's rounding; a block-scaled base keeps the decoded path."""
+    ``explain``'s kernel report, no ``dequant_fp8`` left for them) with a warning that the numbers
+    differ from eager's, and its loss and LoRA gradients are eager's within FP8's rounding; a
+    block-scaled base keeps the decoded path, equal to eager, without the warning."""
     from loracc.codegen.triton_backend import available
     from loracc.tools import presets
 
@@ -164,8 +166,12 @@ def test_the_triton_backend_runs_per_channel_fp8_layers_on_fp8_gemms(monkeypatch
         batch = {k: v.to(DEVICE) for k, v in batch.items()}
         loracc.quantize(model, "fp8", block=block)
         compiled = loracc.compile(copy.deepcopy(model), backend="triton")
-        loss_e, loss_c = model(**batch).loss, compiled(**batch).loss
-        loss_e.backward(), loss_c.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_e, loss_c = model(**batch).loss, compiled(**batch).loss
+            loss_e.backward(), loss_c.backward()
+        # FP8 rounding makes the numbers differ from eager's: never without a warning saying so.
+        assert any("rounded to FP8" in str(w.message) for w in caught) is fp8_layers, [str(w.message) for w in caught]
         runs = [entry["runs"] for entry in compiled._loracc.backend.report]
         assert any("FP8 tensor cores" in r for r in runs) is fp8_layers, runs
         pairs = [(name, p.grad, q.grad) for (name, p), (_, q) in zip(model.named_parameters(), compiled.named_parameters())

@@ -18,14 +18,15 @@ with row-wise scales, and no 16-bit copy of the weight is decoded.
   accumulated in fp32).
 
 The activations and output gradients are rounded to FP8 (3 mantissa bits, a scale per row): the
-frozen GEMMs' results differ from the decoded-weight path's by FP8's rounding, as in any FP8
-training recipe. Block-scaled FP8 weights (``block=128``) keep the decoded path: their scales vary
+frozen GEMMs' results differ from the decoded-weight path's (and eager's) by FP8's rounding, as in
+any FP8 training recipe, and ``rewrite`` warns so. Block-scaled FP8 weights (``block=128``) keep the decoded path: their scales vary
 along the contraction dimension, which row-wise scaled GEMMs cannot express. Shapes whose
 contraction or output dimension is not a multiple of 16 (what the FP8 GEMM needs) decode too.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.fx as fx
@@ -175,5 +176,11 @@ def rewrite(graph: fx.Graph) -> list[dict]:
             graph.erase_node(decode)
         report.append({"node": node.name, "layer": info(node).get("lora_layer") or info(node).get("module"),
                        "runs": "FP8 tensor cores (torch._scaled_mm, row-wise scaled e4m3 activations)"})
+    if report:
+        warnings.warn(
+            f"loracc: {len(report)} LoRA GEMMs over per-channel FP8 weights run on FP8 tensor cores with their "
+            "activations and output gradients rounded to FP8: results differ from eager's (which decodes the "
+            "weights to the compute dtype) by FP8's rounding. Quantize with block=128 to keep the decoded path",
+            stacklevel=2)
     return report
 
