@@ -33,7 +33,8 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
 
 
 def _with_traced_linear(fn, symbolic: bool):
-    """``fn`` with ``F.linear`` traced as view + mm (+ bias) + view (``passes.cleanup`` folds it back
+    """``fn`` with ``F.linear`` (and ``aten.linear``, which the graphs ``passes.cleanup`` folded are
+    differentiated through) traced as view + mm (+ bias) + view (``passes.cleanup`` folds it back
     into one ``aten.linear``): always in a symbolic trace, where ATen's own composite ``linear``
     reads concrete sizes on some torch versions (2.11) and would fix a symbolic batch or sequence
     size to the traced one; in a static trace for an input of 3 or more dims that is not contiguous,
@@ -56,7 +57,7 @@ def _with_traced_linear(fn, symbolic: bool):
 
     class TracedLinear(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.nn.functional.linear or func is torch._C._nn.linear:
+            if func is torch.nn.functional.linear or func is torch._C._nn.linear or func is torch.ops.aten.linear.default:
                 x = args[0] if args else kwargs["input"]
                 if symbolic or (x.dim() >= 3 and not x.is_contiguous()):
                     return linear(*args, **(kwargs or {}))

@@ -31,7 +31,11 @@ runs = [("reference", model, False), ("eager", copy.deepcopy(model), True),
         ("triton", loracc.compile(copy.deepcopy(model), backend="triton"), True),
         ("triton-nographs", loracc.compile(copy.deepcopy(model), backend="triton", cuda_graphs=False), True),
         ("eager-backend", loracc.compile(copy.deepcopy(model), backend="eager"), True)]
-for step in range(3):
+# --batches N: N batches (default 3, the test's), and a last line per run with each batch's ratio of
+# the error over every LoRA gradient to eager's (is a high ratio one batch's noise or every batch's?)
+BATCHES = int(sys.argv[sys.argv.index("--batches") + 1]) if "--batches" in sys.argv else 3
+aggregate = {}
+for step in range(BATCHES):
     ids = torch.randint(3, vocab - 1, (2, 48), device="cuda")
     res = {}
     for name, m, ac in runs:
@@ -47,9 +51,13 @@ for step in range(3):
         worst = sorted(((rel_err(cg[n], r) / max(rel_err(eg[n], r), 1e-9), n, rel_err(eg[n], r), rel_err(cg[n], r)) for n, r in rg.items()), reverse=True)[:3]
         cat = lambda g: torch.cat([g[n].flatten() for n in sorted(rg)])
         ratios = sorted(rel_err(cg[n], r) / max(rel_err(eg[n], r), 1e-9) for n, r in rg.items())
+        aggregate.setdefault(name, []).append(rel_err(cat(cg), cat(rg)) / rel_err(cat(eg), cat(rg)))
         print(f"step {step} {name}: loss err {rel_err(cl, rl):.2e} (eager {rel_err(el, rl):.2e}); every LoRA gradient "
               f"{rel_err(cat(cg), cat(rg)):.4f} (eager {rel_err(cat(eg), cat(rg)):.4f}); median ratio {ratios[len(ratios) // 2]:.2f}")
         for w in worst:
             print(f"W {w[0]:.2f} {w[1].replace('base_model.model.model.', '')} eager {w[2]:.4f} loracc {w[3]:.4f}")
+for name, ratios in aggregate.items():
+    geo = torch.tensor(ratios).log().mean().exp().item()
+    print(f"{name}: every-gradient error / eager's per batch {[round(r, 2) for r in ratios]}; geometric mean {geo:.2f}")
 for name, m, _ in runs[2:]:
     print(name, "fallbacks:", loracc.explain(m).fallbacks)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import loracc
-from conftest import rel_err
+from conftest import assert_within_eager_bf16_error, rel_err
 from loracc.tools import presets
 from loracc.runtime.cuda_graphs import Replayer
 
@@ -126,13 +126,14 @@ def test_replayed_dropout_mask_is_shared_by_forward_and_backward():
 def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family):
     """Lengths 37, 64, 101, 23 (the second compiles the symbolic program, the rest reuse it) in
     bf16 autocast: loracc's loss and LoRA gradients are as close to an fp32 eager reference as
-    eager PEFT's own bf16 run is (within 2× its error, or the bf16 tolerance), and nothing ran
-    eagerly (a symbolic trace that failed would give eager's numbers too)."""
+    eager PEFT's own bf16 run is (``conftest.assert_within_eager_bf16_error``; why a single
+    gradient is allowed more than twice eager's error: decision 019), and nothing ran eagerly (a symbolic trace that failed would give eager's numbers too)."""
     model, _ = presets.preset(family, layers=2)
     reference = model.cuda()
     eager = copy.deepcopy(reference)
     compiled = loracc.compile(copy.deepcopy(reference))
     vocab = reference.config.vocab_size
+    runs = []
     for seq in (37, 64, 101, 23):
         ids = torch.randint(0, vocab, (3, seq), device="cuda")
         batch = {"input_ids": ids, "labels": ids}
@@ -144,11 +145,8 @@ def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family):
             results.append((loss.detach().float(), {n: p.grad.float() for n, p in model_.named_parameters() if p.requires_grad}))
             for p in model_.parameters():
                 p.grad = None
-        (ref_loss, ref_grads), (eager_loss, eager_grads), (loracc_loss, loracc_grads) = results
-        assert rel_err(loracc_loss, ref_loss) <= max(2 * rel_err(eager_loss, ref_loss), TOL), seq
-        for name, ref in ref_grads.items():
-            allowed = max(2 * rel_err(eager_grads[name], ref), TOL)
-            assert rel_err(loracc_grads[name], ref) <= allowed, (seq, name)
+        runs.append(results)
+    assert_within_eager_bf16_error(runs)
     captures = {r.name: r.captures for r in compiled._loracc.regions}
     assert all(r.dynamic_programs for r in compiled._loracc.regions), captures
     assert not loracc.explain(compiled).fallbacks, loracc.explain(compiled).fallbacks

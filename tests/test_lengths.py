@@ -273,6 +273,7 @@ def test_trainer_with_a_padding_collator_and_group_by_length_matches_eager(tmp_p
         assert abs(loss - ref) <= 1e-5 * abs(ref), (got, expected)
     compiled = runs["loracc"][1]
     assert all(r.calls for r in compiled._loracc.regions)
+    assert not [f for r in compiled._loracc.regions for f in r.fallbacks]
     assert all(r.captures <= 4 for r in compiled._loracc.regions), _captures(compiled)
 
 
