@@ -136,6 +136,24 @@ def test_row_quantization_kernel_matches_the_reference(dtype, cols, col_scale):
         assert torch.equal(got[5], want_q.float()[5]) and not got[5].any()
 
 
+@pytest.mark.parametrize("rows,cols", [(37, 70), (64, 128), (130, 3)])
+def test_byte_transpose_kernel_equals_aten(rows, cols):
+    """The tiled transpose of an FP8 weight (as the input gradient's GEMM reads it) against
+    ``t().contiguous()``, bit for bit, at sizes that are not multiples of the tile; the output is
+    poisoned first."""
+    from loracc.codegen.triton_backend import available
+
+    if available(DEVICE) is not None:
+        pytest.skip(available(DEVICE))
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g).to(DEVICE).view(torch.float8_e4m3fn)
+    poisoned = torch.full((cols, rows), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    got = fp8_gemm.transpose_bytes(bits, out=poisoned)
+    assert got.data_ptr() == poisoned.data_ptr() and got.shape == (cols, rows)
+    assert torch.equal(got.view(torch.uint8), bits.view(torch.uint8).t().contiguous())
+    assert torch.equal(fp8_gemm.transpose_bytes(bits).view(torch.uint8), bits.view(torch.uint8).t().contiguous())
+
+
 def test_shapes_the_fp8_gemm_cannot_take_use_the_decoded_weight():
     """A contraction or output dimension that is not a multiple of 16: the reference op's result exactly."""
     g = torch.Generator().manual_seed(3)

@@ -12,7 +12,7 @@ with row-wise scales, and no 16-bit copy of the weight is decoded.
   ``y = (x_q · s_x) @ (W_q · s_w)ᵀ`` in fp32 accumulation, written in ``x``'s dtype;
 - input gradient: ``dX = dY @ W = (dY · s_w) @ W_q``: ``dY`` times the channel scales is quantized per
   row, and the FP8 weight is read transposed (a column-major copy of ``W_q``, one byte per weight,
-  made for the call and freed after it);
+  made for the call by a tiled Triton transpose, ``transpose_bytes``, and freed after it);
 - the LoRA branch, the bias and every LoRA gradient are computed as the cuBLAS path of
   ``codegen.lora_linear`` computes them (fp32 adapters cast to the base dtype, their gradients
   accumulated in fp32).
@@ -36,7 +36,7 @@ from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward, or
 from ..quant.fp8 import DEQUANT_FP8, FP8, dequantize_fp8, quantize_fp8
 from . import cache
 from . import lora_linear as lora_kernels
-from .lora_gemm import DTYPE_NAMES
+from .lora_gemm import DTYPE_NAMES, triton_cdiv
 from .render import render
 
 Tensor = torch.Tensor
@@ -90,6 +90,33 @@ def quantize_rows_kernel(x: Tensor, col_scale: Tensor | None = None) -> tuple[Te
     return q, scale
 
 
+@functools.cache
+def _transpose_kernel(rows: int, cols: int, device: torch.device):
+    name = f"byte_transpose_{rows}x{cols}"
+    source = render("byte_transpose.py.jinja", name=name, R=rows, C=cols,
+                    shapes=[f"src: [{rows}, {cols}] uint8", f"out: [{cols}, {rows}] uint8"])
+    return cache.load_kernel(name, source, device)
+
+
+TRANSPOSE_BLOCK = 64
+
+
+def transpose_bytes(src: Tensor, out: Tensor | None = None) -> Tensor:
+    """``src.t().contiguous()`` for a 2-D tensor of one-byte values (an FP8 weight), written into
+    ``out`` (contiguous, ``src``'s dtype, transposed shape) when given: on a GPU (or in Triton's
+    interpreter) one tiled Triton kernel (``templates/byte_transpose.py.jinja``), where ATen's
+    strided copy reads or writes one side a byte at a time (decision 018)."""
+    rows, cols = src.shape
+    if out is None:
+        out = torch.empty((cols, rows), dtype=src.dtype, device=src.device)
+    if not (src.is_cuda or lora_kernels.interpreting()) or src.numel() == 0:
+        return out.copy_(src.t())
+    kernel = _transpose_kernel(rows, cols, src.device)
+    grid = (triton_cdiv(rows, TRANSPOSE_BLOCK), triton_cdiv(cols, TRANSPOSE_BLOCK))
+    kernel[grid](src.contiguous().view(torch.uint8), out.view(torch.uint8), BLOCK=TRANSPOSE_BLOCK, num_warps=4)
+    return out
+
+
 def _fits(in_features: int, out_features: int) -> bool:
     return in_features % ALIGN == 0 and out_features % ALIGN == 0
 
@@ -135,7 +162,7 @@ def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bi
     grad_x = grad_lin = None
     if need_grad_x:
         gq, gs = quantize_rows(gy2, w_scale.reshape(-1))
-        weight_t = bits.view(FP8).t().contiguous()  # [K, N] row-major: W_q column-major, as the GEMM reads it
+        weight_t = transpose_bytes(bits.view(FP8))  # [K, N] row-major: W_q column-major, as the GEMM reads it
         ones = torch.ones((1, in_features), dtype=torch.float32, device=gy2.device)
         grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
         if lora_in_is_x:
