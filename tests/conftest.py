@@ -29,28 +29,42 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 BF16_TOL = 2e-2
 
 
-def assert_within_eager_bf16_error(runs: list) -> None:
-    """loracc's 16-bit run is as close to an fp32 eager reference as eager PEFT's own 16-bit run.
+def with_bf16_rounded_embeddings(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a copy to keep) whose input embeddings' output is rounded to bf16 and back: a
+    perturbation of the size of one bf16 rounding. Run under bf16 autocast it is a second, equally
+    legitimate, 16-bit run of eager PEFT (``assert_within_eager_bf16_error``'s control)."""
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.to(torch.bfloat16).to(out.dtype))
+    return model
 
-    ``runs``: per batch, ``((ref_loss, ref_grads), (eager_loss, eager_grads), (loracc_loss,
-    loracc_grads))`` with the LoRA gradients by name. A 16-bit run is never equal to the fp32 one,
-    and loracc's fused kernels round at other points than eager's ops (one rounding of
-    ``x@Wᵀ + s·u@Bᵀ`` where eager rounds each term), so each batch's error is a noisy sample:
-    the loss within twice eager's error; the error over every LoRA gradient together within 1.5
-    times eager's on the geometric mean over the batches and 2.5 times on each batch; each gradient
-    alone within 5 times eager's (small tensors; a wrong gradient is off by far more). Each bound
-    is at least the bf16 tolerance."""
+
+def assert_within_eager_bf16_error(runs: list) -> None:
+    """loracc's 16-bit run is as close to an fp32 eager reference as eager PEFT's own 16-bit runs.
+
+    ``runs``: per batch, ``((loss, grads), ...)`` for the fp32 eager reference, eager PEFT in bf16
+    autocast, the same with its embeddings rounded to bf16 (``with_bf16_rounded_embeddings``: the
+    control) and loracc in bf16 autocast; the LoRA gradients by name. A 16-bit run is never equal
+    to the fp32 one, and on some batches of a small random model a perturbation of one rounding
+    moves the gradients several times further than eager's own error (decision 019): loracc's
+    kernels round at other points than eager's ops, so eager's error alone is one sample of what a
+    correct bf16 run may give; the larger of eager's and the control's is the baseline. The loss
+    within twice the baseline; the error over every LoRA gradient together within 2.5 times the
+    baseline on each batch and 1.5 times on the geometric mean over the batches; each gradient
+    alone within 5 times (a wrong gradient is off by 100%). Each bound is at least the bf16
+    tolerance."""
     ratios = []
-    for step, ((ref_loss, ref_grads), (eager_loss, eager_grads), (loracc_loss, loracc_grads)) in enumerate(runs):
-        assert rel_err(loracc_loss, ref_loss) <= max(2 * rel_err(eager_loss, ref_loss), BF16_TOL), step
+    for step, runs_of_batch in enumerate(runs):
+        (ref_loss, ref_grads), *peers, (loracc_loss, loracc_grads) = runs_of_batch
+        assert len(peers) == 2, "the eager run and the control"
+        assert rel_err(loracc_loss, ref_loss) <= max(2 * max(rel_err(loss, ref_loss) for loss, _ in peers), BF16_TOL), step
         assert loracc_grads.keys() == ref_grads.keys()
         names = sorted(ref_grads)
-        ref, eager, got = (torch.cat([g[n].flatten() for n in names]) for g in (ref_grads, eager_grads, loracc_grads))
-        error, eager_error = rel_err(got, ref), rel_err(eager, ref)
-        assert error <= max(2.5 * eager_error, BF16_TOL), (step, error, eager_error)
-        ratios.append(max(error, BF16_TOL / 4) / max(eager_error, BF16_TOL / 4))
+        flat = lambda grads: torch.cat([grads[n].flatten() for n in names])  # noqa: E731
+        error = rel_err(flat(loracc_grads), flat(ref_grads))
+        baseline = max(rel_err(flat(grads), flat(ref_grads)) for _, grads in peers)
+        assert error <= max(2.5 * baseline, BF16_TOL), (step, error, baseline)
+        ratios.append(max(error, BF16_TOL / 4) / max(baseline, BF16_TOL / 4))
         for name, r in ref_grads.items():
-            allowed = max(5 * rel_err(eager_grads[name], r), BF16_TOL)
+            allowed = max(5 * max(rel_err(grads[name], r) for _, grads in peers), BF16_TOL)
             assert rel_err(loracc_grads[name], r) <= allowed, (step, name, rel_err(loracc_grads[name], r), allowed)
     geometric_mean = torch.tensor(ratios, dtype=torch.float64).log().mean().exp().item()
     assert geometric_mean <= 1.5, ratios

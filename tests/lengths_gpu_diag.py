@@ -10,13 +10,17 @@ from conftest import rel_err
 from loracc.tools import presets
 from loracc.codegen import lora_linear, autotune
 warnings.simplefilter("ignore")
-family = sys.argv[1] if len(sys.argv) > 1 else "qwen2"
+family = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "qwen2"
+# --test-data: the batches tests/test_gpu_training.py's varying-length test draws (the global
+# generator right after the preset), instead of a generator of this script's own
+TEST_DATA = "--test-data" in sys.argv
 SEQS = (37, 64, 101, 23)
-torch.manual_seed(0)
+if not TEST_DATA:
+    torch.manual_seed(0)
 model, _ = presets.preset(family, layers=2)
 reference = model.cuda()
 vocab = reference.config.vocab_size
-gen = torch.Generator(device="cuda").manual_seed(1)
+gen = None if TEST_DATA else torch.Generator(device="cuda").manual_seed(1)
 batches = [torch.randint(0, vocab, (3, s), device="cuda", generator=gen) for s in SEQS]
 
 def grads(m, ids, autocast):
@@ -33,8 +37,14 @@ eager = copy.deepcopy(reference)
 eagers = [grads(eager, ids, True) for ids in batches]
 
 orig_unsupported, orig_choose = lora_linear.unsupported, autotune.choose
-def variant(name, compile_kw={}, no_lora=False, prefix=None, static=False):
+from loracc.codegen import fused_rows
+orig_kernel_for = fused_rows.kernel_for
+def no_rows(group):
+    raise NotImplementedError("diag: ATen")
+
+def variant(name, compile_kw={}, no_lora=False, prefix=None, static=False, rows=True):
     lora_linear.unsupported = (lambda *a, **k: "diag: ATen") if no_lora else orig_unsupported
+    fused_rows.kernel_for = orig_kernel_for if rows else no_rows
     if prefix:
         def choose(description, candidates, device):
             return next(n for n in candidates if n.startswith(prefix)) if any(n.startswith(prefix) for n in candidates) else orig_choose(description, candidates, device)
@@ -55,20 +65,34 @@ def variant(name, compile_kw={}, no_lora=False, prefix=None, static=False):
         etot = rel_err(torch.cat([eg[n].flatten() for n in rg]), torch.cat([rg[n].flatten() for n in rg]))
         rows.append({"seq": SEQS[i], "loss_err": rel_err(loss, rl), "eager_loss_err": rel_err(el, rl), "all_grads": tot, "eager_all_grads": etot,
                      "worst": [(n.replace("base_model.model.model.", "").replace(".default.weight", ""), round(r, 2), round(rel_err(g[n], rg[n]), 4)) for n, r in worst]})
-    lora_linear.unsupported, autotune.choose = orig_unsupported, orig_choose
+    lora_linear.unsupported, autotune.choose, fused_rows.kernel_for = orig_unsupported, orig_choose, orig_kernel_for
     fb = loracc.explain(compiled).fallbacks
     print(f"== {family} {name}  fallbacks={len(fb)}")
     for r in rows:
         print(f"  seq {r['seq']:4d} loss {r['loss_err']:.2e} (eager {r['eager_loss_err']:.2e}) all-grads {r['all_grads']:.4f} (eager {r['eager_all_grads']:.4f}) worst {r['worst']}")
     return rows
 
+# A control: eager PEFT again, its embeddings' output rounded to bf16 (a perturbation of the size of
+# one bf16 rounding, which a bf16 computation makes anyway): how far a legitimate bf16 run lands
+# from the fp32 reference on these batches.
+perturbed = copy.deepcopy(reference)
+perturbed.get_input_embeddings().register_forward_hook(lambda m, i, o: o.to(torch.bfloat16).to(o.dtype))
+rows = []
+for i, ids in enumerate(batches):
+    loss, g = grads(perturbed, ids, True)
+    (rl, rg), (el, eg) = refs[i], eagers[i]
+    tot = rel_err(torch.cat([g[n].flatten() for n in rg]), torch.cat([rg[n].flatten() for n in rg]))
+    etot = rel_err(torch.cat([eg[n].flatten() for n in rg]), torch.cat([rg[n].flatten() for n in rg]))
+    print(f"  control seq {SEQS[i]:4d}: eager with bf16-rounded embeddings all-grads {tot:.4f} (eager {etot:.4f}); loss {rel_err(loss, rl):.2e}")
 out = {}
 out["default"] = variant("default")
 out["static"] = variant("static per length", static=True)
 out["nographs"] = variant("cuda_graphs=False", {"cuda_graphs": False})
+out["eager_backend"] = variant("backend='eager' (the graphs, ATen ops)", {"backend": "eager"})
+out["no_rows"] = variant("row groups on ATen", rows=False)
 out["no_lora"] = variant("LoRA GEMMs on ATen", no_lora=True)
 out["cublas"] = variant("cublas candidates", prefix="cublas")
 out["triton"] = variant("triton template candidates", prefix="triton")
 out["tma"] = variant("tma candidates", prefix="tma")
 os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"varlen-bf16-diag-{family}.json"), "w"), indent=1)
+json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"varlen-bf16-diag-{family}{'-test-data' if TEST_DATA else ''}.json"), "w"), indent=1)

@@ -4,7 +4,7 @@ where loracc runs its Triton kernels and CUDA graphs: GPT-2 (Conv1D layers with
 grouped GEMMs in the decoder layer's graph; LoRA on attention and on the fused expert weights).
 
 loracc's loss and LoRA gradients must be as close to an fp32 eager reference as eager PEFT's own
-bf16 autocast run is (``conftest.assert_within_eager_bf16_error``), over six batches: on an H100
+bf16 autocast runs are (``conftest.assert_within_eager_bf16_error``), over six batches: on an H100
 (`python tests/moe_gpu_diag.py --batches 10`) Qwen3-MoE's error over every LoRA gradient was 0.32 to
 1.38 times eager's from one batch to the next, 0.88 on the geometric mean, while the same graphs
 with ATen's LoRA GEMMs gave 0.98-1.07: the fused kernels round elsewhere, not worse."""
@@ -17,7 +17,7 @@ import torch
 
 import family_sweep as fs
 import loracc
-from conftest import assert_within_eager_bf16_error
+from conftest import assert_within_eager_bf16_error, with_bf16_rounded_embeddings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 GPT2 = {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True}
@@ -26,16 +26,17 @@ MOE = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
 
 
 def _runs(model, batches):
-    """(loss, LoRA gradients) per batch for the fp32 eager reference, eager bf16 autocast and loracc
-    bf16 autocast, on copies of the same model."""
+    """(loss, LoRA gradients) per batch for the fp32 eager reference, eager bf16 autocast, the same
+    with bf16-rounded embeddings (the control) and loracc bf16 autocast, on copies of the same model."""
     reference = model.cuda()
     eager = copy.deepcopy(reference)
+    control = with_bf16_rounded_embeddings(copy.deepcopy(reference))
     compiled = loracc.compile(copy.deepcopy(reference))
     out = []
     for batch in batches:
         batch = {k: v.cuda() for k, v in batch.items()}
         results = []
-        for model_, autocast in ((reference, False), (eager, True), (compiled, True)):
+        for model_, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = model_(**batch).loss
             loss.backward()
