@@ -199,10 +199,16 @@ def fusion(gm: fx.GraphModule) -> PassResult:
 
 def _reads_itself(members: list[fx.Node]) -> bool:
     """Whether an input of the group depends on one of its members in the graph as it is now (after
-    the groups replaced before it: two groups that each read the other's values cannot both fuse)."""
+    the groups replaced before it: two groups that each read the other's values cannot both fuse).
+    The graph is in topological order, so a path to an input runs through nodes placed no later
+    than the last input: the search stops there (else it would walk everything downstream of the
+    group, for every group)."""
     inside = set(members)
     inputs = {a for m in members for a in _tensor_args(m) if a not in inside}
-    reached, stack = set(), [u for m in members for u in m.users if u not in inside]
+    if not inputs:
+        return False
+    limit = max(a._sort_key for a in inputs)
+    reached, stack = set(), [u for m in members for u in m.users if u not in inside and u._sort_key <= limit]
     while stack:
         n = stack.pop()
         if n in reached:
@@ -210,7 +216,7 @@ def _reads_itself(members: list[fx.Node]) -> bool:
         if n in inputs:
             return True
         reached.add(n)
-        stack.extend(u for u in n.users if u not in inside)
+        stack.extend(u for u in n.users if u not in inside and u._sort_key <= limit)
     return False
 
 
