@@ -121,6 +121,16 @@ def test_a_layer_called_twice_in_one_step():
     _check(fs.with_lora(model, "causal-lm", target_modules=["q_proj", "o_proj", "down_proj"]))
 
 
+def test_a_layer_given_a_kv_cache_says_to_train_without_one():
+    """XGLM passes its DynamicCache to every layer while training when ``use_cache`` is on: the layers
+    run eagerly with a warning that says ``use_cache=False``; with it, they compile and match eager."""
+    model = fs.with_lora(fs.build_causal_lm("xglm"), "causal-lm", target_modules="all-linear")
+    result = _check(model, allowed=("FALLBACK",))
+    assert "use_cache=False" in result.reason, result.reason
+    model.config.use_cache = False
+    _check(model)
+
+
 def test_a_hybrid_decoder_compiles_each_layer_class_as_a_region():
     """A decoder whose layer list mixes layer classes (a hybrid model: attention and linear-attention
     or state-space layers, e.g. OLMo-Hybrid) gets a block region per class, compiled and equal to

@@ -81,6 +81,10 @@ def call_signature(args: tuple, kwargs: dict) -> CallSignature:
             key.append(tensor_key(leaf))
         elif isinstance(leaf, CONSTANT_TYPES):
             key.append(leaf)
+        elif any(c.__name__ == "Cache" for c in type(leaf).__mro__):  # transformers' key/value caches
+            raise Unsupported(f"argument {i} is a {type(leaf).__name__}, a key/value cache that the layer would write "
+                              "to, which loracc's graphs do not: pass use_cache=False to the model (or set "
+                              "model.config.use_cache = False) to train without a cache")
         else:
             raise Unsupported(f"argument {i} is a {type(leaf).__name__}, which loracc cannot specialise on")
     records = RECORDING.get()
