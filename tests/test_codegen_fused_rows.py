@@ -51,6 +51,11 @@ def rotary(q, cos, sin):
     return q * cos + rotate_half(q) * sin
 
 
+def rotary_pairs(q, cos, sin):
+    """The interleaved rotary embedding (Flux), as ``passes.cleanup`` leaves it."""
+    return q * cos + torch.ops.loracc.rotate_pairs(q) * sin
+
+
 def swiglu(gate, up):
     return F.silu(gate) * up
 
@@ -80,6 +85,9 @@ def _case(name, dtype):
     if name == "rotary":
         q, cos, sin = _rotary_inputs(dtype)
         return _with_grads(rotary, 1), (q, cos, sin, r(2, 3, 37, 24))
+    if name == "rotary_pairs":
+        q, cos, sin = _rotary_inputs(dtype)
+        return _with_grads(rotary_pairs, 1), (q, cos, sin, r(2, 3, 37, 24))
     if name == "swiglu":
         return _with_grads(swiglu, 2), (r(5, 19, 50), r(5, 19, 50), r(5, 19, 50))
     if name == "geglu":
@@ -89,7 +97,7 @@ def _case(name, dtype):
     raise KeyError(name)
 
 
-CASES = ["rms_norm", "rotary", "swiglu", "geglu", "softmax"]
+CASES = ["rms_norm", "rotary", "rotary_pairs", "swiglu", "geglu", "softmax"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -158,6 +166,14 @@ def test_forward_and_backward_of_a_norm_are_one_kernel():
     _, report, groups = _fused(fn, inputs)
     assert report["groups"] == 1 and len(groups) == 1
     assert {"rsqrt", "mean", "sum"} <= {op.split(".")[0] for op in groups[0].target.ops}
+
+
+def test_the_interleaved_rotation_fuses_with_its_multiplies_forward_and_backward():
+    fn, inputs = _case("rotary_pairs", torch.float32)
+    _, report, groups = _fused(fn, inputs)
+    ops = [op.split(".")[0] for node in groups for op in node.target.ops]
+    assert ops.count("rotate_pairs") == 2, ops  # the forward's and the gradient's
+    assert report["groups"] == len(groups) >= 1
 
 
 def test_rotary_reads_its_input_through_strides_and_shifts_columns():

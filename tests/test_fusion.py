@@ -166,6 +166,71 @@ def _tiny_bert():
     return model, batch
 
 
+@pytest.mark.parametrize("dtype,eps", [(torch.float32, 1e-6), (torch.bfloat16, None)])
+def test_rms_norm_decomposition_equals_atens_fused_rms_norm(dtype, eps):
+    """``capture.trace._rms_norm``, which ``derive_joint`` puts in place of ``aten._fused_rms_norm``
+    (F.rms_norm on a GPU), against the ATen op: output, rstd and input gradient (width 40)."""
+    from loracc.capture.trace import JOINT_DECOMPOSITIONS, _rms_norm
+
+    assert JOINT_DECOMPOSITIONS[aten._fused_rms_norm.default] is _rms_norm
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 7, 40, generator=g).to(dtype)
+    w = torch.randn(40, generator=g).to(dtype)
+    gy = torch.randn(3, 7, 40, generator=g).to(dtype)
+    results = []
+    for fn in (aten._fused_rms_norm.default, _rms_norm):
+        xi = x.clone().requires_grad_(True)
+        out, rstd = fn(xi, [40], w, eps)
+        out.backward(gy)
+        results.append((out.detach(), rstd, xi.grad))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for got, want in zip(results[1], results[0]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got.float(), want.float()) <= tol
+    assert _rms_norm(x, [7, 40], w, eps) is NotImplemented
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="F.rms_norm reaches the graph as aten._fused_rms_norm on a GPU only")
+def test_fused_rms_norm_is_fused_forward_and_backward_on_the_gpu():
+    """On a GPU, F.rms_norm (Flux's q/k norms) is captured as ``aten._fused_rms_norm``: the joint
+    holds its row ops instead, the fusion pass groups them forward and backward, and the step
+    matches eager in bf16."""
+    import loracc
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(40), requires_grad=False)
+            self.proj = loracc.LoRALinear(40, 40, r=4, init_zero=False)
+
+        def forward(self, x):
+            return torch.tanh(F.rms_norm(self.proj(x), (40,), self.weight)) * 2.0
+
+    torch.manual_seed(3)
+    model = Norm().cuda().to(torch.bfloat16)
+    x = torch.randn(3, 7, 40, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn_like(x)
+    want = model(x)
+    want.backward(gy)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    compiled = loracc.compile(model)
+    got = compiled(x)
+    got.backward(gy)
+    assert rel_err(got.detach().float(), want.detach().float()) <= 2e-2
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert rel_err(p.grad.float(), grads[name].float()) <= 2e-2, name
+    program = compiled._loracc.regions[0].latest
+    captured_ops = {str(n.target) for n in program.stages["captured"].graph.nodes if n.op == "call_function"}
+    joint_ops = {str(n.target) for n in program.stages["joint"].graph.nodes if n.op == "call_function"}
+    assert "aten._fused_rms_norm.default" in captured_ops, captured_ops
+    assert not any("rms_norm" in op for op in joint_ops), joint_ops
+    for stage in ("forward", "backward"):
+        groups = [n.target for n in program.stages[stage].graph.nodes if isinstance(n.target, FusedRows)]
+        assert any({"rsqrt", "mean"} <= {op.split(".")[0] for op in g.ops} for g in groups), stage
+
+
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_layer_norm_is_fused_forward_and_backward_and_trains_like_eager(backend):
     """BERT's LayerNorms reach the joint graph as their row ops (no native_layer_norm left), the

@@ -6,8 +6,8 @@ with that layer's weights), everything else the call depends on (shapes, flags, 
 specialised and becomes part of the guard key. ``derive_joint`` differentiates the forward graph,
 after the forward passes ran, with respect to the inputs that need gradients: since ``lora_match``
 replaced each LoRA layer by ``loracc::lora_linear`` before this, the backward of every matched layer
-is loracc's own backward op by construction; LayerNorm is differentiated as its row ops (see
-``JOINT_DECOMPOSITIONS``), so that the fusion pass can fuse its backward too.
+is loracc's own backward op by construction; LayerNorm and RMSNorm are differentiated as their row
+ops (see ``JOINT_DECOMPOSITIONS``), so that the fusion pass can fuse their backward too.
 """
 from __future__ import annotations
 
@@ -471,7 +471,27 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 
 # Ops the joint graph holds as their parts (see derive_joint).
-JOINT_DECOMPOSITIONS = {torch.ops.aten.native_layer_norm.default: _layer_norm}
+def _rms_norm(x, normalized_shape, weight=None, eps=None):
+    """``aten._fused_rms_norm`` (what ``F.rms_norm`` reaches on a GPU; on a CPU it is these ops
+    already) as its row ops, as torch's own decomposition writes it: in fp32 for 16-bit inputs,
+    ``x · rsqrt(mean(x²) + eps) (· weight)`` rounded once at the end, ``eps`` fp32's epsilon when
+    not given; returns the output and ``rstd`` (fp32 for 16-bit inputs). Its backward is then
+    autograd's of these ops, which ``fusion`` makes one kernel with its neighbours and ``remat``
+    may recompute. Only a normalization over the last dim is rewritten."""
+    if len(normalized_shape) != 1:
+        return NotImplemented
+    xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    if eps is None:
+        eps = torch.finfo(xf.dtype).eps
+    rstd = torch.rsqrt(torch.ops.aten.add.Scalar(xf.pow(2).mean(-1, keepdim=True), eps))
+    out = xf * rstd
+    if weight is not None:
+        out = out * weight
+    return out.to(x.dtype), rstd
+
+
+JOINT_DECOMPOSITIONS = {torch.ops.aten.native_layer_norm.default: _layer_norm,
+                        torch.ops.aten._fused_rms_norm.default: _rms_norm}
 
 
 def derive_joint(fwd: fx.GraphModule, needs_grad: list[bool]) -> fx.GraphModule:
@@ -479,7 +499,7 @@ def derive_joint(fwd: fx.GraphModule, needs_grad: list[bool]) -> fx.GraphModule:
 
     One tangent per floating-point output; one gradient output per input with ``needs_grad``
     (``None`` where the input does not influence the outputs). Ops in ``JOINT_DECOMPOSITIONS``
-    (LayerNorm) appear as their parts, forward and backward.
+    (LayerNorm, ATen's fused RMSNorm) appear as their parts, forward and backward.
     """
     inputs = placeholders(fwd)
     outs = output_node(fwd).args[0]

@@ -3,8 +3,8 @@
 The kernel (``templates/fused_rows.py.jinja``) gives each program ``BLOCK_R`` rows of the group's
 frame and whole rows of ``BLOCK_D`` columns. Every value of the group is an expression of the
 column index: a value at column ``c`` of ``x`` (``x[..., c]``) is emitted once per column offset
-it is read at, so data moves along the last dim (slices, ``cat``, ``slice_backward``: rotary
-embeddings) are index shifts of loads, never copies; a row reduction is a sum or a NaN-propagating
+it is read at, so data moves along the last dim (slices, ``cat``, ``slice_backward``,
+``loracc::rotate_pairs``: rotary embeddings) are index shifts of loads, never copies; a row reduction is a sum or a NaN-propagating
 max over the program's columns; a value of width 1 is one number per row. Inputs are read through
 their strides (broadcast dims read stride 0), outputs are written with the strides the graph
 recorded for them; offsets are int64 where one can reach 2^31. Values in 16-bit dtypes are computed
@@ -28,6 +28,7 @@ import torch.fx as fx
 from .. import _compat
 from ..ir.fused_rows import PASS_THROUGH, FusedRows
 from ..ir.graph import output_node, value_bytes
+from ..ir.ops import ROTATE_PAIRS
 from . import cache
 from .render import render
 
@@ -272,6 +273,9 @@ class _Emitter:
             col = self.column(shift)
             inside = self.value(grad, shift - start)
             return f"tl.where(({col} >= {start}) & ({col} < {end}), {inside}, 0.0)"
+        if target == ROTATE_PAIRS:  # column 2i takes -x[2i+1], column 2i+1 takes x[2i]
+            col = self.column(shift)
+            return f"tl.where({col} % 2 == 0, -{self.value(args[0], shift + 1)}, {self.value(args[0], shift - 1)})"
         if target == aten.cat.default:
             col, pieces, start = self.column(shift), [], 0
             for t in args[0]:

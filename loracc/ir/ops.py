@@ -227,3 +227,33 @@ def _grouped_mm_backward(ctx, grad):
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
 
 GROUPED_MM = torch.ops.loracc.grouped_mm.default
+
+
+# --- interleaved rotation (rotary embeddings over pairs) --------------------------------------------
+#
+# ``loracc::rotate_pairs(x)``: each pair of the last dim (x[2i], x[2i+1]) becomes (-x[2i+1], x[2i]),
+# what ``torch.stack([-x_imag, x_real], -1).flatten(-2)`` of ``x.reshape(..., -1, 2).unbind(-1)``
+# computes (diffusers' ``apply_rotary_emb`` with ``use_real_unbind_dim=-1``: Flux, HunyuanVideo).
+# ``passes.cleanup`` folds that pattern into this op, which moves values within a row only: the
+# fusion pass groups it with the rotary's multiplies (``codegen.fused_rows`` reads the neighbour
+# column), where ATen's ``stack`` writes a strided copy. It is its own inverse up to sign: its
+# backward is ``-rotate_pairs(grad)``.
+
+
+@torch.library.custom_op("loracc::rotate_pairs", mutates_args=())
+def rotate_pairs(x: Tensor) -> Tensor:
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).reshape(x.shape)
+
+
+@rotate_pairs.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rotate_pairs_backward(ctx, grad):
+    return -torch.ops.loracc.rotate_pairs(grad)
+
+
+rotate_pairs.register_autograd(_rotate_pairs_backward)
+ROTATE_PAIRS = torch.ops.loracc.rotate_pairs.default

@@ -1,19 +1,25 @@
-"""cleanup: drop dead nodes and fold each traced linear back into one ``aten.linear`` node.
+"""cleanup: drop dead nodes, fold each traced linear back into one ``aten.linear`` node and each
+interleaved rotation into one ``loracc::rotate_pairs`` node.
 
 Requires: an ATen-level forward graph from ``capture_forward``.
 Guarantees: the same function; no node without users unless it has side effects (random ops and
 other in-place ops stay); every ``x @ Wᵀ (+ b)`` that the tracer split into ``t``/``view``/``mm``/
 ``addmm``/``_unsafe_view`` is one ``aten.linear(x, W, b)`` node, so later passes match one shape;
+every ``stack([-b, a], -1)`` of the halves ``a, b = x.reshape(..., -1, 2).unbind(-1)`` read back at
+``x``'s shape is one ``loracc::rotate_pairs(x)`` (a row-local op the fusion pass takes);
 in a graph with symbolic sizes, every size read with ``sym_size`` is read from a graph input that
 has it (not from an intermediate such as a base layer's output, which would then have one more
 user than the pattern passes expect).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from ..ir.graph import info
+from ..ir.ops import ROTATE_PAIRS
 from . import PassResult
 from .contract import graph_problems, names, same_inputs, same_output_arity
 
@@ -29,11 +35,63 @@ def cleanup(gm: fx.GraphModule) -> PassResult:
     # Last node first, so that a 3-d linear (view, mm, _unsafe_view) folds whole before its 2-d mm
     # (whose own fold, left without users, goes with the dead code).
     folded = sum(_fold_linear(node) for node in reversed(list(gm.graph.nodes)))
+    rotations = sum(_fold_rotate_pairs(node) for node in list(gm.graph.find_nodes(op="call_function", target=aten.stack.default)))
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     removed = before + folded - len(gm.graph.nodes)
-    return PassResult(gm, {"linears folded": _count_linears(gm) - linears_before, "dead nodes removed": removed})
+    return PassResult(gm, {"linears folded": _count_linears(gm) - linears_before, "rotations folded": rotations,
+                           "dead nodes removed": removed})
+
+
+def _fold_rotate_pairs(stack: fx.Node) -> bool:
+    """``view(stack([neg(b), a], -1), shape(x))`` with ``a, b = unbind(view(x, (..., n, 2)), -1)`` →
+    ``loracc::rotate_pairs(x)``; the views may be any of ``VIEWS``. Returns whether it folded."""
+    pieces = stack.args[0]
+    dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+    out = _val(stack)
+    if not (isinstance(out, torch.Tensor) and len(pieces) == 2 and dim in (-1, out.dim() - 1) and out.shape[-1] == 2):
+        return False
+    negated, first = pieces
+    if not (isinstance(negated, fx.Node) and negated.target == aten.neg.default):
+        return False
+    second = negated.args[0]
+    halves = [_unbound(first), _unbound(second)]
+    if halves[0] is None or halves[1] is None or halves[0][0] is not halves[1][0] or [h[1] for h in halves] != [0, 1]:
+        return False
+    pairs = halves[0][0]  # view(x, (..., n, 2))
+    x = pairs.args[0]
+    if not (pairs.target in VIEWS and isinstance(x, fx.Node) and isinstance(_val(x), torch.Tensor)):
+        return False
+    x_val = _val(x)
+    if not _same_sizes(_val(pairs).shape[:-2], x_val.shape[:-1]) or x_val.dtype != out.dtype:
+        return False
+    folded = False
+    for user in list(stack.users):
+        if user.target in VIEWS and _same_sizes(_val(user).shape, x_val.shape):
+            with stack.graph.inserting_before(user):
+                rotated = stack.graph.call_function(ROTATE_PAIRS, (x,))
+            rotated.meta.update({k: dict(v) if isinstance(v, dict) else v for k, v in user.meta.items()
+                                 if k not in ("val", "tensor_meta")})
+            rotated.meta["val"] = torch.empty_like(x_val, memory_format=torch.contiguous_format)
+            user.replace_all_uses_with(rotated)
+            folded = True
+    return folded
+
+
+def _unbound(node) -> tuple[fx.Node, int] | None:
+    """``(v, i)`` for ``getitem(unbind(v, -1), i)`` where ``v``'s last dim is 2; else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    unbind, index = node.args
+    if not (isinstance(unbind, fx.Node) and unbind.target == aten.unbind.int):
+        return None
+    source = unbind.args[0]
+    dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+    val = _val(source)
+    if not (isinstance(val, torch.Tensor) and dim in (-1, val.dim() - 1) and val.shape[-1] == 2):
+        return None
+    return source, index
 
 
 def _drop_lone_clones(graph: fx.Graph) -> None:

@@ -17,7 +17,8 @@ of the kernel, and a row reduction over the last dim is a reduction within a pro
 
 - RMSNorm / LayerNorm forward and backward (casts, pow, mean/sum over the last dim, rsqrt, mul);
 - SwiGLU / GeGLU and their backward (silu, silu_backward, mul, gelu);
-- rotary embedding and its backward (mul, neg, slice and cat of the last dim, slice_backward);
+- rotary embedding and its backward (mul, neg, slice and cat of the last dim, slice_backward;
+  ``loracc::rotate_pairs`` for the interleaved form);
 - residual adds, casts, scalar arithmetic.
 
 Views (``view``, ``transpose``, ``unsqueeze``, ``expand`` of an input, slices of an input) stay
@@ -34,6 +35,7 @@ import torch.fx as fx
 from .. import _compat
 from ..ir.fused_rows import PASS_THROUGH, FusedRows
 from ..ir.graph import info, output_node
+from ..ir.ops import ROTATE_PAIRS
 from . import PassResult
 from .contract import graph_problems, names, same_inputs, same_output_arity
 
@@ -58,7 +60,7 @@ REDUCTIONS = {aten.sum.dim_IntList: {"dtype"}, aten.mean.dim: {"dtype"}, aten.am
 # Ops that move data along the last dim, fused when they read a value of the group (of an input
 # they are views or cheap copies the kernel reads directly); expand only broadcasts a row value.
 MOVES = {aten.slice.Tensor: set(), aten.cat.default: set(), aten.slice_backward.default: set(),
-         aten.expand.default: set(), aten.detach.default: set(), aten.alias.default: set()}
+         aten.expand.default: set(), aten.detach.default: set(), aten.alias.default: set(), ROTATE_PAIRS: set()}
 VIEW_LIKE = (aten.slice.Tensor, aten.expand.default, aten.detach.default, aten.alias.default)
 # A row must fit one program: the widest value of a group, rounded up to a power of two.
 MAX_WIDTH = 16384

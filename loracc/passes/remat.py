@@ -41,13 +41,17 @@ import torch.fx as fx
 from .. import _compat
 from ..errors import LoraccError, Unsupported
 from ..ir.graph import info, output_node, placeholders, role, value_bytes
-from ..ir.ops import LORA_LINEAR
+from ..ir.ops import LORA_LINEAR, ROTATE_PAIRS
 from ..options import parse_budget
-from ..quant import RECOMPUTABLE
+from ..quant import RECOMPUTABLE as DECODINGS
 from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
 )
+
+# loracc ops without a GEMM, as cheap to compute again as ATen's pointwise ops: a quantized weight's
+# decoding, the interleaved rotation of rotary embeddings.
+RECOMPUTABLE = (*DECODINGS, ROTATE_PAIRS)
 from .contract import graph_problems, names, same_structure
 from .partition import backward_nodes, forward_nodes, is_random, joint_problems
 
@@ -306,7 +310,7 @@ def _save_bytes(node: fx.Node) -> int | None:
 def _is_expensive(node: fx.Node) -> bool:
     """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight), and every op
     outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM) but the cheap ones
-    (``quant.RECOMPUTABLE``: a quantized weight's decoding, recomputed rather than saved)."""
+    (``RECOMPUTABLE``: a quantized weight's decoding, the interleaved rotation, recomputed rather than saved)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.target in RECOMPUTABLE:
         return False
     packet = node.target.overloadpacket
