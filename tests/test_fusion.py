@@ -240,7 +240,11 @@ def test_layer_norm_is_fused_forward_and_backward_and_trains_like_eager(backend)
     import copy
 
     import loracc
+    from loracc.codegen.lora_linear import interpreting
 
+    if backend == "triton" and not interpreting():
+        pytest.skip("CPU tensors through the Triton kernels need TRITON_INTERPRET=1 (set where no GPU is); "
+                    "on a GPU the row kernels are checked by tests/test_codegen_fused_rows.py")
     model, batch = _tiny_bert()
     reference = copy.deepcopy(model)
     compiled = loracc.compile(model, backend=backend)
