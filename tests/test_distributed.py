@@ -45,7 +45,13 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, names: list, out: str) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    # A rank killed by a signal (an abort inside gloo or ATen) leaves no Python traceback: the
+    # fault handler writes every thread's stack to a file that ``spawn`` reports.
+    faulthandler.enable(file=open(Path(out) / f"rank{rank}.faults", "w"), all_threads=True)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -53,7 +59,7 @@ def _rank_main(rank: int, world: int, port: int, names: list, out: str) -> None:
     try:
         for name in names:
             try:
-                result = SCENARIOS[name](rank, world, Path(out))
+                result = {**SCENARIOS, **SPAWN_CHECKS}[name](rank, world, Path(out))
             except Exception:
                 (Path(out) / f"{name}.{rank}.error").write_text(traceback.format_exc())
                 raise
@@ -81,7 +87,8 @@ def spawn(world: int, names: list, out: Path) -> dict:
     except Exception as exc:  # a rank raised: its scenario's error file says where
         errors = sorted(out.glob("*.error"))
         if not errors:
-            raise
+            faults = "".join(f"--- {f.name}\n{f.read_text()}" for f in sorted(out.glob("rank*.faults")) if f.stat().st_size)
+            raise RuntimeError(f"{world} ranks running {names}: {exc}\n{faults or '(no fault handler output)'}") from exc
         failed = errors[0].stem.rsplit(".", 1)[0]
         done = {n: [json.loads((out / f"{n}.{r}.json").read_text()) for r in range(world)]
                 for n in names if all((out / f"{n}.{r}.json").exists() for r in range(world))}
@@ -415,6 +422,15 @@ SCENARIOS = {
 }
 
 
+def _abort_rank_1(rank, world, out):
+    if rank == 1:
+        os.abort()  # what a crash inside gloo or ATen looks like from here: a signal, no exception
+    return {}
+
+
+SPAWN_CHECKS = {"abort_rank_1": _abort_rank_1}  # scenarios that test ``spawn`` itself
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests
 
@@ -425,6 +441,14 @@ WORLD4 = ["ddp_of_compiled", "varying_fsdp", "fsdp_before"]
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     return spawn(2, WORLD2, tmp_path_factory.mktemp("world2"))
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_stack(tmp_path):
+    """A rank that dies by a signal raises no Python exception: ``spawn`` reports the signal and the
+    stack the rank's fault handler wrote (so an intermittent abort in CI can be read afterwards)."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(2, ["abort_rank_1"], tmp_path)
+    assert "abort_rank_1" in str(info.value) and "_abort_rank_1" in str(info.value), str(info.value)[-2000:]
 
 
 def _parity(found, tol=TOL):
