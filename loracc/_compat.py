@@ -154,6 +154,18 @@ def fake_tensor(mode, storage, shape, stride, offset: int, dtype: torch.dtype, d
     return t.requires_grad_(True) if requires_grad else t
 
 
+def symbolic_fake_tensor(mode, shape, stride, offset, dtype, device, requires_grad: bool):
+    """A fake tensor of ``mode`` (one with a shape environment) whose sizes, strides and offset may be
+    symbolic: a storage of its own reaching its last element."""
+    with mode:
+        if isinstance(offset, int) and offset == 0:
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        else:
+            extent = offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+            t = torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
+    return t.requires_grad_(True) if requires_grad else t
+
+
 def storage_ref(t: torch.Tensor):
     """A hashable reference to ``t``'s storage: equal for tensors that share it."""
     from torch.multiprocessing.reductions import StorageWeakRef

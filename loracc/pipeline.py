@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import _compat
-from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint
+from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint, dynamic_dims
 from .capture.trace_cache import Traced, cached_trace
 from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
 from .errors import LoraccError
@@ -63,7 +63,7 @@ def compile_call(
 
     ``dynamic``: capture with the batch and sequence dims symbolic (``capture.trace.dynamic_dims``): the
     program then serves every call its guards admit (``Program.admits``), its plans and byte counts
-    taken at this call's sizes; it is traced every time (the trace cache keeps static captures).
+    taken at this call's sizes; the trace cache keeps it keyed without those sizes.
 
     ``memory_budget`` is what ``loracc.compile`` took; a byte limit also needs ``repeats`` (how many
     times a step runs this program: a block region's number of layers) and ``reserved_bytes`` (what
@@ -73,12 +73,9 @@ def compile_call(
     check = checking_passes()
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
-    if dynamic:
-        traced = trace(module, path, signature, needs_grad, dynamic=True, check=check)
-        cache_report = {"hit": False, "why": "symbolic shapes (traced once for every sequence length)"}
-    else:
-        traced, cache_report = cached_trace(
-            module, path, signature, lambda: trace(module, path, signature, needs_grad, check=check))
+    traced, cache_report = cached_trace(
+        module, path, signature, lambda: trace(module, path, signature, needs_grad, dynamic=dynamic, check=check),
+        dims=dynamic_dims(signature.tensors) if dynamic else None)
     captured, stages, reports = traced.captured, dict(traced.stages), dict(traced.reports)
     if check and cache_report.get("hit"):  # the forward passes did not run: check the graphs they left
         previous = "captured"

@@ -357,3 +357,79 @@ def test_the_graphs_folder_is_private_and_an_open_one_is_refused(cache_dir):
     (cache_dir / "graphs").chmod(0o777)
     with pytest.raises(loracc.LoraccError, match="writable by group or others.*chmod 700"):
         step()
+
+
+# --- symbolic traces (one program for every sequence length) ---------------------------------------
+
+def _varying_steps(lengths):
+    """The tiny Llama preset (eager backend) through ``lengths``, each step against eager PEFT: the
+    largest relative difference of loss and LoRA gradients, and the symbolic programs' reports."""
+    model, _ = presets.preset("llama", layers=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    reference = __import__("copy").deepcopy(model)
+    loracc.compile(model, backend="eager")
+    worst = 0.0
+    for length in lengths:
+        ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(length))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        want = reference(input_ids=ids, labels=ids).loss
+        want.backward()
+        worst = max(worst, abs(loss.item() - want.item()) / abs(want.item()))
+        for p, q in zip(model.parameters(), reference.parameters()):
+            if q.grad is not None:
+                worst = max(worst, ((p.grad - q.grad).norm() / q.grad.norm()).item())
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    return worst, [p.reports["trace_cache"] for r in model._loracc.regions for p in r.compiled_programs if p.dynamic]
+
+
+def _symbolic_entries(cache_dir):
+    return [f for f in (cache_dir / "graphs").glob("*.json") if json.loads(f.read_text()).get("symbolic")]
+
+
+def test_a_symbolic_trace_is_kept_and_read_back_for_other_lengths(cache_dir):
+    """The program traced with symbolic lengths (at the second length) is written to the trace
+    cache keyed without the lengths; a later compile reads it back at other lengths than it was
+    traced at, and trains as eager PEFT does."""
+    worst, reports = _varying_steps([12, 17, 23])
+    assert worst <= 1e-5 and len(reports) == 3 and not any(r["hit"] for r in reports), reports
+    assert len(_symbolic_entries(cache_dir)) == 3  # layer 0, the other layers, the head
+    worst, reports = _varying_steps([9, 31, 26])
+    assert worst <= 1e-5 and [r["hit"] for r in reports] == [True, True, True], reports
+
+
+def test_a_symbolic_entry_whose_guards_fail_is_traced_again(cache_dir):
+    """A guard the trace recorded that this call's sizes do not meet (planted: a length of 99999):
+    the entry is not used, the region is traced again, and nothing is wrong or warned."""
+    _varying_steps([12, 17])
+    assert _symbolic_entries(cache_dir)
+    for entry in _symbolic_entries(cache_dir):
+        data = json.loads(entry.read_text())
+        symbol = next(x for row in data["tensors"] for x in row[0] if isinstance(x, dict))
+        data["guards"].append({"$": "sym", "op": "Equality", "args": [symbol, 99999]})
+        entry.write_text(json.dumps(data))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worst, reports = _varying_steps([12, 17])
+    assert not [w for w in caught if "loracc" in str(w.message)], [str(w.message) for w in caught]
+    assert worst <= 1e-5 and not any(r["hit"] for r in reports), reports
+
+
+def test_a_symbolic_entry_naming_an_unknown_size_operation_is_refused(cache_dir):
+    """Size expressions are data: an operation outside ``SYMBOLIC_OPS`` is refused with a warning
+    (nothing is evaluated), and the region is traced again."""
+    _varying_steps([12, 17])
+    assert _symbolic_entries(cache_dir)
+    for entry in _symbolic_entries(cache_dir):
+        data = json.loads(entry.read_text())
+        data["guards"].append({"$": "sym", "op": "__import__", "args": ["os"]})
+        entry.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="refusing trace cache entry"):
+        worst, reports = _varying_steps([12, 17])
+    assert worst <= 1e-5 and not any(r["hit"] for r in reports), reports

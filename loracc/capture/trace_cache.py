@@ -26,6 +26,13 @@ An entry is used only when everything its trace depended on is as it was (``trac
   files the reader runs. And, checked when the entry is read: the size and modification time of the
   source file of every module of those packages that was loaded when the entry was written.
 
+A symbolic trace (one program for every batch and sequence size, ``pipeline.compile_call(dynamic=True)``)
+is kept too, keyed with its symbolic dims' sizes left out (only which of them are equal is kept):
+its sizes are kept as expressions of its symbols and the guards the trace recorded with them; read
+back for a call, the guards are evaluated on that call's symbolic sizes (recorded in its shape
+environment as the trace recorded them) and the sizes rebuilt from them. An entry whose guards the
+call does not meet is traced again.
+
 Code that none of these reaches (a function patched into some other module at run time,
 environment variables the model's code reads while tracing) is not seen: set
 ``LORACC_TRACE_CACHE=0`` to trace every time. A region whose graphs hold something the format
@@ -36,7 +43,9 @@ one that cannot be read back is traced again and rewritten.
 An entry is data, never code: its nodes name what they call, and only what loracc's traces call
 can be named: operators of the ``aten``, ``prims`` and ``loracc`` namespaces (less the few that
 touch files: ``FILE_OPS``) and the Python functions torch.fx puts in graphs (``FUNCTIONS``:
-``operator.getitem``, arithmetic on sizes). Nothing is imported to read an entry. An entry naming
+``operator.getitem``, arithmetic on sizes), and a symbolic entry's sizes are trees of the
+operations of ``SYMBOLIC_OPS`` (sums, products, floor division, comparisons) over symbols and
+integers, never parsed as Python. Nothing is imported to read an entry. An entry naming
 anything else (planted, or from another loracc) is refused with a warning and traced again; a trace
 that calls something else is not cached. The folder is private to the user
 (``disk.cache_folder``), and an entry others may write to is never read.
@@ -66,7 +75,7 @@ from ..disk import atomic_write, cache_folder, read_json
 
 log = logging.getLogger("loracc")
 
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclass
@@ -105,14 +114,21 @@ FUNCTIONS = {
 }
 
 
-def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: Callable[[], Traced]) -> tuple[Traced, dict]:
+def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: Callable[[], Traced],
+                 dims: list[list[bool]] | None = None) -> tuple[Traced, dict]:
     """``trace()``'s result, from the cache when an entry for this call is valid; and a report:
-    ``{"hit": bool, "entry": file}``, or ``{"hit": False, "why": ...}`` when nothing was cached."""
+    ``{"hit": bool, "entry": file}``, or ``{"hit": False, "why": ...}`` when nothing was cached.
+
+    ``dims``: a symbolic trace, with these dims of the call's tensors symbolic (``trace.dynamic_dims``):
+    the entry is keyed without their sizes (only which of them are equal), its sizes are kept as
+    expressions of the symbols, and the guards the trace recorded are kept and replayed on a fresh
+    shape environment made from this call (``decode``); an entry whose guards this call's sizes do
+    not meet is traced again."""
     if os.environ.get("LORACC_TRACE_CACHE", "1") == "0":
         return trace(), {"hit": False, "why": "LORACC_TRACE_CACHE=0"}
     try:
         packages = _packages(module)
-        entry = cache_folder("graphs") / f"{trace_key(module, path, signature, packages)}.json"
+        entry = cache_folder("graphs") / f"{trace_key(module, path, signature, packages, dims)}.json"
     except Uncacheable as exc:
         return trace(), {"hit": False, "why": str(exc)}
     data = read_json(entry)
@@ -120,8 +136,10 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
         try:
             changed = _changed_file(data["files"])
             if changed is None:
-                return decode(data), {"hit": True, "entry": str(entry)}
+                return decode(data, _symbolic_inputs(module, signature, dims)), {"hit": True, "entry": str(entry)}
             log.info("loracc: %s changed since the trace in %s; tracing again", changed, entry)
+        except NotApplicable as exc:
+            log.info("loracc: trace cache entry %s does not apply to this call (%s); tracing again", entry, exc)
         except Refused as exc:
             warnings.warn(f"loracc: refusing trace cache entry {entry}: {exc}; the region is traced again", stacklevel=2)
         except Exception as exc:  # noqa: BLE001 - an entry that does not read back is traced again
@@ -140,9 +158,11 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
 
 # --- the key ---------------------------------------------------------------------------------
 
-def trace_key(module: nn.Module, path: str, signature: CallSignature, packages: set[str] | None = None) -> str:
+def trace_key(module: nn.Module, path: str, signature: CallSignature, packages: set[str] | None = None,
+              dims: list[list[bool]] | None = None) -> str:
     """The hex digest of everything a trace of ``module`` called with ``signature`` depends on
-    (``packages``: as ``_packages(module)`` gives them, computed when not given)."""
+    (``packages``: as ``_packages(module)`` gives them, computed when not given); for a symbolic trace
+    (``dims``, see ``cached_trace``) without the sizes of the symbolic dims."""
     if packages is None:
         packages = _packages(module)
     devices = sorted({str(t.device) for t in [*module.parameters(), *module.buffers(), *signature.tensors]})
@@ -153,7 +173,7 @@ def trace_key(module: nn.Module, path: str, signature: CallSignature, packages: 
         ("loracc", loracc_source()),  # this process's loracc: where it is and what its files say
         ("locations", [(name, _location(name)) for name in sorted(packages)]),  # whose files the stamps are
         ("path", path),
-        ("call", signature.key),
+        ("call", signature.key if dims is None else _symbolic_call_key(signature, dims)),
         ("devices", devices),  # with their index: the values read back are on them
         ("autocast", [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in device_types]),
         ("modules", module_fingerprint(module, hooks=False)),  # hooks: described below
@@ -166,6 +186,36 @@ def trace_key(module: nn.Module, path: str, signature: CallSignature, packages: 
         raise Uncacheable("the region depends on an object that has no stable description: "
                           + text[max(0, text.index(" at 0x") - 80):text.index(" at 0x") + 20])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _symbolic_call_key(signature: CallSignature, dims: list[list[bool]]) -> tuple:
+    """``signature.key`` with each symbolic dim's size replaced by the number of its size among the
+    symbolic sizes (equal sizes share a symbol when traced, so which are equal is kept)."""
+    sizes: dict[int, int] = {}
+    leaves, it = [], iter(dims)
+    for leaf in signature.leaves:
+        if isinstance(leaf, torch.Tensor):
+            free = next(it)
+            shape = tuple(("symbol", sizes.setdefault(size, len(sizes))) if d else size for size, d in zip(leaf.shape, free))
+            leaves.append((shape, leaf.dtype, leaf.device.type, leaf.requires_grad, layout(leaf)))
+        else:
+            leaves.append(leaf)
+    return ("symbolic", signature.key[0], tuple(leaves))
+
+
+def _symbolic_inputs(module: nn.Module, signature: CallSignature, dims):
+    """For a symbolic entry: fake inputs with fresh symbols for this call (state first) and their
+    shape environment, as ``capture_forward`` makes them; None for a static entry."""
+    if dims is None:
+        return None
+    from .trace import module_state
+
+    _, state = module_state(module)
+    return _compat.symbolic_fakes(state + signature.tensors, [[False] * t.dim() for t in state] + dims)
+
+
+class NotApplicable(Exception):
+    """A symbolic entry whose recorded guards this call's sizes do not meet."""
 
 
 @functools.cache
@@ -352,8 +402,18 @@ def encode(traced: Traced) -> dict:
         out_spec = _compat.treespec_dumps(captured.out_spec)
     except Exception as exc:  # noqa: BLE001 - an output type pytree cannot serialize
         raise Uncacheable(f"the region's output structure cannot be serialized ({exc})") from exc
+    shape_env = captured.shape_env
+    guards = []
+    if shape_env is not None:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        if any(free_unbacked_symbols(n.meta.get("val")) for gm in traced.stages.values() for n in gm.graph.nodes):
+            raise Uncacheable("the graph has sizes that depend on data (unbacked symbols)")
+        guards = [_expression(g.expr) for g in shape_env.guards]
     data = {
         "format": FORMAT,
+        "symbolic": shape_env is not None,
+        "guards": guards,
         "param_names": captured.param_names,
         "out_spec": out_spec,
         "out_leaves": values.encode(captured.out_leaves),
@@ -363,16 +423,95 @@ def encode(traced: Traced) -> dict:
     return {**data, "tensors": values.tensors, "storages": values.storages}
 
 
-def decode(data: dict) -> Traced:
-    """The ``Traced`` an entry holds, its values rebuilt as fake tensors of one fake mode."""
+def decode(data: dict, symbolic=None) -> Traced:
+    """The ``Traced`` an entry holds, its values rebuilt as fake tensors of one fake mode.
+
+    ``symbolic``: ``(fakes, shape_env)`` of the call (``_symbolic_inputs``) for a symbolic entry: its
+    sizes are rebuilt from the symbols of those fakes, after each guard the trace recorded is
+    evaluated on them (recording it in ``shape_env``, as the trace did); ``NotApplicable`` if one
+    does not hold for this call."""
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-    values = _FakeValues(data["tensors"], data["storages"])
+    if (symbolic is not None) != bool(data.get("symbolic")):
+        raise NotApplicable("a symbolic entry for a static call or the reverse")
+    symbols = None
+    if symbolic is not None:
+        fakes, shape_env = symbolic
+        symbols = _Symbols(fakes)
+        for guard in data["guards"]:
+            if not bool(symbols.value(guard)):  # records the guard in shape_env, as the trace did
+                raise NotApplicable("a guard of the trace does not hold for this call's sizes")
+    values = _FakeValues(data["tensors"], data["storages"], symbols)
     stages = {name: _load_graph(graph, values) for name, graph in data["stages"].items()}
     captured = CapturedForward(gm=stages["captured"], param_names=list(data["param_names"]),
                                out_spec=_compat.treespec_loads(data["out_spec"]),
                                out_leaves=values.decode(data["out_leaves"]))
+    if symbolic is not None:
+        captured.fakes, captured.shape_env = symbolic
     return Traced(captured=captured, stages=stages, reports=values.decode(data["reports"]))
+
+
+# Sizes of a symbolic trace are sympy expressions of its symbols. An entry keeps them as trees of
+# these operations only (data, never code: nothing is parsed or evaluated as Python), and they are
+# rebuilt by the same operations on the call's symbolic sizes, which computes their values and
+# records any guard as a trace would.
+def _floor_div(a, b):
+    return a // b
+
+
+SYMBOLIC_OPS = {
+    "Add": lambda *a: functools.reduce(operator.add, a), "Mul": lambda *a: functools.reduce(operator.mul, a),
+    "Pow": operator.pow, "FloorDiv": _floor_div, "Mod": operator.mod, "PythonMod": operator.mod,
+    "Max": lambda *a: functools.reduce(torch.sym_max, a), "Min": lambda *a: functools.reduce(torch.sym_min, a),
+    "Equality": operator.eq, "Unequality": operator.ne, "StrictLessThan": operator.lt, "LessThan": operator.le,
+    "StrictGreaterThan": operator.gt, "GreaterThan": operator.ge,
+}
+
+
+def _expression(expr) -> dict | int:
+    """A sympy size expression as a tree of ``SYMBOLIC_OPS``, symbols and integers; ``Uncacheable``
+    for anything else."""
+    import sympy
+
+    if isinstance(expr, sympy.Symbol):
+        return {"$": "sym", "symbol": expr.name}
+    if isinstance(expr, (sympy.Integer, int)) and not isinstance(expr, bool):
+        return int(expr)
+    if expr is sympy.true or expr is sympy.false:
+        return {"$": "sym", "bool": bool(expr)}
+    name = type(expr).__name__
+    if name not in SYMBOLIC_OPS:
+        raise Uncacheable(f"a size expression uses {name}, which the trace cache does not keep ({expr})")
+    return {"$": "sym", "op": name, "args": [_expression(a) for a in expr.args]}
+
+
+class _Symbols:
+    """The symbolic sizes of a call's fake inputs by symbol name, and the value of an expression tree
+    (``_expression``) computed from them."""
+
+    def __init__(self, fakes: list):
+        self.mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+        self.by_name = {}
+        for fake in fakes:
+            for size in (*fake.shape, *fake.stride(), fake.storage_offset()):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    self.by_name.setdefault(size.node.expr.name, size)
+
+    def value(self, tree):
+        if isinstance(tree, int):
+            return tree
+        if not (isinstance(tree, dict) and tree.get("$") == "sym"):
+            raise Refused(f"{tree!r:.60} is not a size expression")
+        if "symbol" in tree:
+            if tree["symbol"] not in self.by_name:
+                raise NotApplicable(f"symbol {tree['symbol']} is not among this call's sizes")
+            return self.by_name[tree["symbol"]]
+        if "bool" in tree:
+            return bool(tree["bool"])
+        op = SYMBOLIC_OPS.get(tree.get("op"))
+        if op is None:
+            raise Refused(f"it names the size operation {tree.get('op')!r}, which a loracc trace never records")
+        return op(*(self.value(a) for a in tree["args"]))
 
 
 def _graph(gm: fx.GraphModule, values: _Values) -> dict:
@@ -451,6 +590,10 @@ class _Values:
     def encode(self, value):
         if value is None or isinstance(value, (bool, int, str)):
             return value
+        if isinstance(value, (torch.SymInt, torch.SymBool)):
+            return _expression(value.node.expr)
+        if isinstance(value, torch.SymFloat):
+            raise Uncacheable(f"a symbolic float ({value}) has no cache format")
         if isinstance(value, float):
             return value if value == value and abs(value) != float("inf") else {"$": "float", "v": repr(value)}
         if isinstance(value, fx.Node):
@@ -476,9 +619,10 @@ class _Values:
             storage = _compat.storage_ref(t)
             if storage not in self._storage_ids:
                 self._storage_ids[storage] = len(self.storages)
-                self.storages.append(t.untyped_storage().nbytes())
+                self.storages.append(self.encode(t.untyped_storage().nbytes()))
             self._tensor_ids[id(t)] = len(self.tensors)
-            self.tensors.append([list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype).removeprefix("torch."),
+            self.tensors.append([[self.encode(x) for x in t.shape], [self.encode(x) for x in t.stride()],
+                                 self.encode(t.storage_offset()), str(t.dtype).removeprefix("torch."),
                                  str(t.device), t.requires_grad, self._storage_ids[storage]])
         return self._tensor_ids[id(t)]
 
@@ -487,17 +631,29 @@ class _FakeValues:
     """Decodes what ``_Values`` encoded; the tensors are fake tensors of one fake mode, made once
     each, views of one storage where the encoded ones were."""
 
-    def __init__(self, tensors: list, storages: list):
-        self.mode = _compat.fake_mode()
-        self.storages = [_compat.meta_storage(nbytes) for nbytes in storages]
+    def __init__(self, tensors: list, storages: list, symbols: _Symbols | None = None):
+        self.symbols = symbols
+        if symbols is None:
+            self.mode = _compat.fake_mode()
+            self.storages = [_compat.meta_storage(nbytes) for nbytes in storages]
+        else:  # the call's fake mode; a storage shared by views of symbolic size is not rebuilt as one
+            self.mode = symbols.mode
+            self.storages = [None] * len(storages)
         self.tensors = [None] * len(tensors)
         self.described = tensors
 
     def tensor(self, index: int) -> torch.Tensor:
         if self.tensors[index] is None:
             shape, stride, offset, dtype, device, requires_grad, storage = self.described[index]
-            self.tensors[index] = _compat.fake_tensor(self.mode, self.storages[storage], shape, stride, offset,
-                                                      _torch_attribute(dtype, torch.dtype), torch.device(device), requires_grad)
+            dtype, device = _torch_attribute(dtype, torch.dtype), torch.device(device)
+            if self.symbols is None:
+                self.tensors[index] = _compat.fake_tensor(self.mode, self.storages[storage], shape, stride, offset,
+                                                          dtype, device, requires_grad)
+            else:
+                size = [self.symbols.value(x) for x in shape]
+                strides = [self.symbols.value(x) for x in stride]
+                self.tensors[index] = _compat.symbolic_fake_tensor(self.mode, size, strides, self.symbols.value(offset),
+                                                                   dtype, device, requires_grad)
         return self.tensors[index]
 
     def decode(self, data, env: dict | None = None):
@@ -522,6 +678,10 @@ class _FakeValues:
             return torch.device(v)
         if tag == "slice":
             return slice(*(self.decode(x, env) for x in v))
+        if tag == "sym":
+            if self.symbols is None:
+                raise Refused("a static entry holds a symbolic size")
+            return self.symbols.value(data)
         raise ValueError(f"unknown tag {tag!r}")
 
 
