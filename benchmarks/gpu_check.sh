@@ -2,10 +2,12 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   [LIMIT=seconds] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
+#   [LIMIT=seconds] [TESTS=...] [ROUNDS=2] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
-#        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset.
+#        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset; ROUNDS=2 runs
+#        them twice on one cache (the second round reads the trace-cache entries, kernels and
+#        autotuning choices the first wrote, symbolic traces included).
 # steps: `python -m benchmarks fused-rows`'s step variants (loracc without CUDA graphs, with "auto", with
 #        every graph replayed) on both workloads. kernels: the fused kernels' bandwidth with and
 #        without launch cost. quick: python -m benchmarks step --quick. lora: python -m benchmarks lora-linear (one
@@ -45,6 +47,7 @@ for part in "${@:-tests}"; do
     case $part in
     tests)
         # A cold kernel cache makes the CUDA-graph test compile and autotune every fp32 kernel first.
+        for round in $(seq ${ROUNDS:-1}); do [ "${ROUNDS:-1}" = 1 ] || echo "== round $round"
         for f in ${TESTS:-tests/test_gpu_training.py tests/test_cuda_graphs.py tests/test_codegen_precompile.py tests/test_codegen_fused_rows.py \
                  tests/test_codegen_cross_entropy.py tests/test_optim.py tests/test_fp16.py tests/test_codegen_lora_gemm_tma.py \
                  tests/test_codegen_cache.py}; do
@@ -52,7 +55,7 @@ for part in "${@:-tests}"; do
             # --show-capture=no: a failure's report without torch's DEBUG trace logs (caplog still works)
             site=; [ "$f" = tests/test_gpu_training.py ] && site=$trl_site
             PYTHONPATH=$PYTHONPATH${site:+:$site} timeout 300 python -m pytest -q --tb=short --show-capture=no "$f" 2>&1 | tail -25
-        done | tee "$OUT/pytest.txt" ;;
+        done; done | tee "$OUT/pytest.txt" ;;
     steps)
         BENCH_GIT_COMMIT=$commit timeout 420 python -m benchmarks fused-rows --part steps --workload qwen2-0.5b --workload llama-3.2-1b \
             --variant loracc-nographs --variant loracc --variant loracc-graphs --out "$OUT/fused-rows-steps.json" 2>&1 | grep -v Warn | tail -12 ;;
