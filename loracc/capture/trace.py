@@ -203,6 +203,15 @@ def dynamic_dims(tensors: list[torch.Tensor]) -> list[list[bool]]:
     return [[size in leading for size in t.shape] for t in tensors]
 
 
+def symbolic_inputs(state: list[torch.Tensor], tensors: list[torch.Tensor]):
+    """``(fakes, shape_env)``: fake copies of a call's inputs (the module's ``state`` first, every dim
+    static; then the call's ``tensors``, their ``dynamic_dims`` symbolic) in one fake mode with a
+    shape environment, what a symbolic capture traces with. The same inputs give the same symbols,
+    by name, in every process (the trace cache relies on it)."""
+    dims = [[False] * t.dim() for t in state] + dynamic_dims(tensors)
+    return _compat.symbolic_fakes(state + tensors, dims)
+
+
 # Which of scaled-dot-product attention's backends a trace turns off, in the order tried. cuDNN's is
 # off: its backward computed a wrong input gradient for a FLUX.1-dev block (decision 016), and it
 # builds an execution plan for every new shape, which a symbolic graph meets at every length
@@ -240,8 +249,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     captured = CapturedForward(gm=None, param_names=names)
     examples = state + signature.tensors
     if dynamic:
-        dims = [[False] * t.dim() for t in state] + dynamic_dims(signature.tensors)
-        examples, captured.shape_env = _compat.symbolic_fakes(examples, dims)
+        examples, captured.shape_env = symbolic_inputs(state, signature.tensors)
         captured.fakes = examples
 
     def flat_forward(*flat):
@@ -265,7 +273,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
     try:
         for attempt, off in enumerate(attempts):
             if attempt and dynamic:  # fresh symbols: the failed trace left guards on the old ones
-                examples, captured.shape_env = _compat.symbolic_fakes(state + signature.tensors, dims)
+                examples, captured.shape_env = symbolic_inputs(state, signature.tensors)
                 captured.fakes = examples
             try:
                 with _SourceTracker(module, module_path), _attention_backends_off(off):

@@ -70,7 +70,7 @@ import torch.fx as fx
 from torch import nn
 
 from .. import _compat
-from .trace import NOT_PLAIN, CallSignature, CapturedForward, layout, module_fingerprint, plain_value
+from .trace import NOT_PLAIN, CallSignature, CapturedForward, layout, module_fingerprint, module_state, plain_value, symbolic_inputs
 from ..disk import atomic_write, cache_folder, read_json
 
 log = logging.getLogger("loracc")
@@ -208,10 +208,8 @@ def _symbolic_inputs(module: nn.Module, signature: CallSignature, dims):
     shape environment, as ``capture_forward`` makes them; None for a static entry."""
     if dims is None:
         return None
-    from .trace import module_state
-
     _, state = module_state(module)
-    return _compat.symbolic_fakes(state + signature.tensors, [[False] * t.dim() for t in state] + dims)
+    return symbolic_inputs(state, signature.tensors)
 
 
 class NotApplicable(Exception):
@@ -455,13 +453,9 @@ def decode(data: dict, symbolic=None) -> Traced:
 # these operations only (data, never code: nothing is parsed or evaluated as Python), and they are
 # rebuilt by the same operations on the call's symbolic sizes, which computes their values and
 # records any guard as a trace would.
-def _floor_div(a, b):
-    return a // b
-
-
 SYMBOLIC_OPS = {
     "Add": lambda *a: functools.reduce(operator.add, a), "Mul": lambda *a: functools.reduce(operator.mul, a),
-    "Pow": operator.pow, "FloorDiv": _floor_div, "Mod": operator.mod, "PythonMod": operator.mod,
+    "Pow": operator.pow, "FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
     "Max": lambda *a: functools.reduce(torch.sym_max, a), "Min": lambda *a: functools.reduce(torch.sym_min, a),
     "Equality": operator.eq, "Unequality": operator.ne, "StrictLessThan": operator.lt, "LessThan": operator.le,
     "StrictGreaterThan": operator.gt, "GreaterThan": operator.ge,

@@ -43,7 +43,7 @@ from ..errors import LoraccError, Unsupported
 from ..ir.graph import info, output_node, placeholders, role, value_bytes
 from ..ir.ops import LORA_LINEAR, ROTATE_PAIRS
 from ..options import parse_budget
-from ..quant import RECOMPUTABLE as DECODINGS
+from ..quant import DEQUANTIZERS
 from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
@@ -51,7 +51,7 @@ from .memory_plan import (
 
 # loracc ops without a GEMM, as cheap to compute again as ATen's pointwise ops: a quantized weight's
 # decoding, the interleaved rotation of rotary embeddings.
-RECOMPUTABLE = (*DECODINGS, ROTATE_PAIRS)
+RECOMPUTABLE = (*DEQUANTIZERS, ROTATE_PAIRS)
 from .contract import graph_problems, names, same_structure
 from .partition import backward_nodes, forward_nodes, is_random, joint_problems
 

@@ -14,9 +14,8 @@ from .linear import NF4Linear, base_formats, quantize
 from .fp8 import DEQUANT_FP8
 from .nf4 import DEQUANT_NF4, NF4Weight, dequantize_nf4, quantize_nf4
 
-# Decodings of a quantized frozen weight: their first argument is the stored weight (a graph input).
+# Decodings of a quantized frozen weight: their first argument is the stored weight (a graph input);
+# cheap to compute again (no GEMM), remat may recompute them in the backward.
 DEQUANTIZERS = (DEQUANT_NF4, DEQUANT_FP8)
-# loracc ops that are cheap to compute again (no GEMM): remat may recompute them in the backward.
-RECOMPUTABLE = DEQUANTIZERS
 
 __all__ = ["base_formats", "NF4Linear", "NF4Weight", "quantize", "quantize_nf4", "dequantize_nf4"]
