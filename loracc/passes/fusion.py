@@ -209,8 +209,8 @@ def _reads_itself(members: list[fx.Node]) -> bool:
     inputs = {a for m in members for a in _tensor_args(m) if a not in inside}
     if not inputs:
         return False
-    limit = max(a._sort_key for a in inputs)
-    reached, stack = set(), [u for m in members for u in m.users if u not in inside and u._sort_key <= limit]
+    limit = max(inputs)  # fx nodes compare by their place in the graph
+    reached, stack = set(), [u for m in members for u in m.users if u not in inside and u <= limit]
     while stack:
         n = stack.pop()
         if n in reached:
@@ -218,7 +218,7 @@ def _reads_itself(members: list[fx.Node]) -> bool:
         if n in inputs:
             return True
         reached.add(n)
-        stack.extend(u for u in n.users if u not in inside and u._sort_key <= limit)
+        stack.extend(u for u in n.users if u not in inside and u <= limit)
     return False
 
 
