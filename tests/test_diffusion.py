@@ -409,3 +409,19 @@ def test_unet_transformer_block_trace_key_is_the_same_in_every_process():
         assert proc.returncode == 0, proc.stderr[-2000:]
         keys.add(proc.stdout.strip().splitlines()[-1])
     assert len(keys) == 1, keys
+
+
+def test_flux_interleaved_rotary_fuses_as_rotate_pairs(trained):
+    """Flux's rotary embedding (diffusers' ``apply_rotary_emb``, pairs rotated by ``stack``) reaches
+    its blocks' graphs as ``loracc::rotate_pairs`` inside fused row groups, forward and backward, in
+    the runs ``test_losses_and_lora_gradients_match_eager`` compares with eager."""
+    if trained.name != "flux":
+        pytest.skip("the interleaved rotary is Flux's")
+    from loracc.ir.fused_rows import FusedRows
+
+    for region in trained.compiled._loracc.regions:
+        if region.kind != "block":
+            continue
+        for stage in ("forward", "backward"):
+            ops = [op for n in region.latest.stages[stage].graph.nodes if isinstance(n.target, FusedRows) for op in n.target.ops]
+            assert "rotate_pairs" in {op.split(".")[0] for op in ops}, (region.name, stage)
