@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "lora-linear-profile": ("lora_linear_profile", "GPU time of each kernel of one LoRA linear"),
     "quant-linear": ("quant_linear", "an NF4 / FP8 frozen linear (decode + GEMM, forward and input gradient) against bf16"),
     "memory": ("memory_budget", "peak memory and tokens/s against loracc's memory budget"),
+    "varlen-breakdown": ("varlen_breakdown", "where a varying-length run's time goes: new and seen shapes, static or symbolic first"),
     "first-call": ("first_call_host", "host time of loracc's first training call, by pipeline stage"),
     "parity": ("parity_gpu", "GPU parity of loracc against eager PEFT in bf16"),
     "profile": ("profile_step", "torch.profiler / cProfile over training steps, or the cold first step"),

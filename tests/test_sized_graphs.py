@@ -122,3 +122,33 @@ def test_dense_layouts_are_told_from_gapped_and_overlapping_ones():
     x = torch.randn(4, 6, 5)
     assert _dense(x) and _dense(x.transpose(0, 2)) and _dense(x[:1]) and _dense(torch.randn(1, 3)[:, :1])
     assert not _dense(x[:, 1:4]) and not _dense(x[:, :1]) and not _dense(x[..., ::2]) and not _dense(torch.randn(3, 1).expand(3, 4))
+
+
+def test_grouped_copy_copies_every_tensor_one_multi_tensor_copy_per_dtype():
+    from loracc.runtime.sized_graphs import copy_groups, grouped_copy
+
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g).bfloat16(), torch.randint(0, 9, (4,), generator=g),
+            torch.randn(3, 8, generator=g)[:, ::2], torch.randn(2, 6, generator=g).t(), torch.randn(1, 9, generator=g).half()]
+    dsts = [torch.full_like(s, float("nan")) if s.is_floating_point() else torch.full_like(s, -1) for s in srcs]
+    dsts[3] = torch.full((3, 8), float("nan"))[:, ::2]  # a gapped layout, as an arena view of one would be
+    groups = copy_groups(dsts)
+    assert sorted(i for group in groups for i in group) == list(range(len(srcs)))
+    assert [3] in groups and [0, 4] in groups  # the gapped view alone; fp32 dense tensors (any strides) together
+    grouped_copy(groups, dsts, srcs)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
+
+
+@cuda
+def test_grouped_copy_on_the_gpu_matches_a_copy_per_tensor():
+    from loracc.runtime.sized_graphs import copy_groups, grouped_copy
+
+    srcs = [torch.randn(37, 5, device="cuda"), torch.randn(11, device="cuda", dtype=torch.bfloat16),
+            torch.randn(3, 8, device="cuda")[:, ::2], torch.randn(6, 2, device="cuda").t(),
+            torch.arange(13, device="cuda")]
+    dsts = [torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device="cuda").fill_(7) for s in srcs]
+    dsts[2] = torch.full((3, 8), 7.0, device="cuda")[:, ::2]
+    grouped_copy(copy_groups(dsts), dsts, srcs)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
