@@ -104,6 +104,22 @@ def run_mode(mode: str, steps: int, fixed_len: int, out: str) -> dict:
     text.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     text.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
 
+    # Three steps of shapes never seen (lengths between the data's), under torch.profiler: what a new
+    # shape's host time is spent on (CUDA runtime calls included: graph instantiation, allocation).
+    fresh = [L for L in (777, 1111, 1333) if (4, L) not in seen]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for L in fresh:
+            ids = torch.randint(1, 150000, (4, L), device="cuda")
+            step(dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)))
+        torch.cuda.synchronize()
+        fresh_wall = (time.perf_counter() - t) / len(fresh)
+    events = prof.key_averages()
+    fresh_device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / len(fresh)
+    text.write(f"\n===== {mode}: 3 steps of new shapes {fresh} under torch.profiler: {fresh_wall * 1e3:.1f} ms a step, "
+               f"device busy {fresh_device_us / 1e3:.1f} ms a step\n")
+    text.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70))
+
     after = rows[5:]
     new_host = [r["host_ms"] for r in after if r["new"] and not r["profiled"]]
     seen_host = [r["host_ms"] for r in after if not r["new"] and not r["profiled"]]
@@ -113,6 +129,7 @@ def run_mode(mode: str, steps: int, fixed_len: int, out: str) -> dict:
                    seen_host_ms_median=statistics.median(seen_host) if seen_host else None,
                    seen_step_ms_median=statistics.median(seen_step) if seen_step else None,
                    profiled_step_ms=profiled_wall * 1e3, profiled_device_busy_ms=device_us / 1e3,
+                   profiled_new_step_ms=fresh_wall * 1e3, profiled_new_device_busy_ms=fresh_device_us / 1e3,
                    wall_after_2_s=sum(r["step_ms"] for r in rows[2:]) / 1e3,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, rows=rows)
     with open(os.path.join(out, f"{mode}.txt"), "w") as f:

@@ -208,23 +208,34 @@ class SizedGraphs:
         return sized
 
 
+# The dtypes CUDA's multi-tensor copy has a kernel for (torch 2.11/2.13); others (uint64 random
+# seeds, float8) are copied one by one.
+_FOREACH_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                             torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
 def copy_groups(tensors: list) -> list[list[int]]:
     """The indices of ``tensors`` grouped so that one ``torch._foreach_copy_`` per group copies
     them all into (or out of) tensors of the same layouts with one kernel launch per group: CUDA's
     multi-tensor copy takes its fast path only where every tensor of a call has one dtype and is
     dense (one launch per ~100 tensors instead of one per tensor; a call of a layer copies dozens).
-    The tensors that are not dense (gapped views) form a group of their own, copied one by one."""
+    The last group, marked by a leading ``None``, holds the tensors copied one by one: those not
+    dense (gapped views) and those of a dtype the multi-tensor copy has no kernel for."""
     groups: dict = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype if _dense(t) else None, []).append(i)
-    return list(groups.values())
+        groups.setdefault(t.dtype if _dense(t) and t.dtype in _FOREACH_DTYPES else None, []).append(i)
+    one_by_one = groups.pop(None, [])
+    return list(groups.values()) + ([[None, *one_by_one]] if one_by_one else [])
 
 
-def grouped_copy(groups: list[list[int]], dsts, srcs) -> None:
-    """``dsts[i].copy_(srcs[i])`` for every index of ``groups`` (``copy_groups`` of ``dsts``), a
-    multi-tensor copy per group."""
+def grouped_copy(groups: list[list], dsts, srcs) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every index of ``groups`` (``copy_groups`` of ``dsts``)."""
     for group in groups:
-        torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group])
+        if group[0] is None:
+            for i in group[1:]:
+                dsts[i].copy_(srcs[i])
+        else:
+            torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group])
 
 
 def _outputs_plan(outputs, inputs) -> tuple[list, list]:
