@@ -147,11 +147,13 @@ def test_grouped_copy_copies_every_tensor_one_multi_tensor_copy_per_dtype():
 def test_grouped_copy_on_the_gpu_matches_a_copy_per_tensor():
     from loracc.runtime.sized_graphs import copy_groups, grouped_copy
 
-    srcs = [torch.randn(37, 5, device="cuda"), torch.randn(11, device="cuda", dtype=torch.bfloat16),
-            torch.randn(3, 8, device="cuda")[:, ::2], torch.randn(6, 2, device="cuda").t(),
-            torch.arange(13, device="cuda"), torch.arange(3, device="cuda").to(torch.uint64)]
-    dsts = [torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device="cuda").fill_(7) for s in srcs]
-    dsts[2] = torch.full((3, 8), 7.0, device="cuda")[:, ::2]
+    # made on the CPU (CUDA has no fill or cast for uint64) and moved; two of them gapped or transposed views
+    made = [torch.randn(37, 5), torch.randn(11).bfloat16(), torch.randn(3, 8), torch.randn(6, 2), torch.arange(13),
+            torch.arange(3).to(torch.uint64)]
+    srcs = [t.cuda() for t in made]
+    dsts = [torch.full_like(t, 7).cuda() for t in made]
+    for tensors in (srcs, dsts):
+        tensors[2], tensors[3] = tensors[2][:, ::2], tensors[3].t()
     grouped_copy(copy_groups(dsts), dsts, srcs)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d.cpu(), s.cpu())
