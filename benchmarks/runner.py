@@ -220,6 +220,9 @@ def plan(args) -> list[Job]:
             # One pass over the workload's steps; its seq is the longest row it may hold.
             jobs.append(Job(method, workload, spec["batch"], [spec["seq"]], "varlen", spec["varlen"]["steps"], 0,
                             cache=f"{workload}-{method}"))
+            if workload in varying and args.warm is True and method in COMPILING:
+                # --warm: the whole run again in a new process on the caches the cold one left
+                jobs.append(dataclasses.replace(jobs[-1], cache_note=WARM_VARLEN))
     if args.sweep:
         workload, seqs = ("tiny", TINY_SWEEP_SEQS) if args.tiny else (SWEEP_WORKLOAD, SWEEP_SEQS)
         methods = args.method or SWEEP_METHODS
@@ -229,6 +232,9 @@ def plan(args) -> list[Job]:
                             cache=f"sweep-{'loracc' if shared else method}", dynamic=method.startswith("peft-compile"),
                             cache_note="caches of loracc (run before it)" if shared else None))
     return jobs
+
+
+WARM_VARLEN = "warm: the caches a run of the same data left (a new process)"
 
 
 def warm_wanted(args, method: str, first_workload: bool = True) -> bool:

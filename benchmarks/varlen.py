@@ -202,7 +202,9 @@ def targets(records: list[dict]) -> list[str]:
     """The varying-length targets (issue 19) read from one run's records, one line each; a figure
     that a missing or failed row does not give is named as missing."""
     ok = {(r["method"], spec(r["workload"])["layout"]): r for r in records
-          if r.get("status") == "ok" and r.get("wall_s_run") is not None}
+          if r.get("status") == "ok" and r.get("wall_s_run") is not None and not r.get("first_step_cache")}
+    warm = {(r["method"], spec(r["workload"])["layout"]): r for r in records
+            if r.get("status") == "ok" and r.get("wall_s_run") is not None and r.get("first_step_cache")}
 
     def ratio(what: str, a, b, key: str, target: float, above: bool = True) -> str:
         if a is None or b is None or not a.get(key) or not b.get(key):
@@ -223,6 +225,9 @@ def targets(records: list[dict]) -> list[str]:
               "peak_memory_bytes", 1.1, above=False),
         ratio("packed / padded real tokens/s, loracc", loracc("packed"), loracc("padded"), "tokens_per_s", 1.3),
     ]
+    if ("loracc", "padded") in warm:
+        lines.append(ratio("padded, loracc on warm caches (--warm) / eager PEFT real tokens/s over the whole run",
+                           warm[("loracc", "padded")], ok.get(("peft-eager", "padded")), "tokens_per_s", 1.5))
     padded = loracc("padded")
     if padded and padded.get("new_shape_host_ms_max") is not None:
         worst = padded["new_shape_host_ms_max"]

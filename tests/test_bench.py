@@ -448,6 +448,14 @@ def test_varlen_plan_and_targets(capsys):
     assert "not measured" in lines[3]  # the longest step's row failed
     assert "1.10x (NOT met, target >= 1.3)" in lines[4]
     assert "median 5.0, max 60.0 (NOT met, target < 50)" in lines[5]
+    # --warm: loracc's varying-length run again on the caches of the first, reported apart
+    _, jobs = _plan("--varlen", "--workload", "qwen2-0.5b-varlen", "--method", "peft-eager,loracc", "--warm")
+    assert [(j.method, j.cache_note) for j in jobs] == [("peft-eager", None), ("loracc", None), ("loracc", runner.WARM_VARLEN)]
+    assert jobs[1].cache == jobs[2].cache
+    warm = {**row("loracc", "tiny-varlen", tokens_per_s=400.0), "first_step_cache": runner.WARM_VARLEN}
+    lines = varlen.targets(records + [warm])
+    assert lines[0].startswith("padded, loracc / eager PEFT real tokens/s over the whole run: 2.00x")  # the cold row
+    assert "on warm caches (--warm) / eager PEFT real tokens/s over the whole run: 4.00x (met" in lines[5]
 
 
 def test_tiny_varlen_end_to_end(tmp_path):

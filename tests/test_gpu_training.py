@@ -122,12 +122,17 @@ def test_replayed_dropout_mask_is_shared_by_forward_and_backward():
     assert_gradients_use_the_forwards_mask(model.inner, x, y, gy)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family):
+@pytest.mark.parametrize("family, padded", [("llama", False), ("qwen2", False), ("qwen2", True)])
+def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family, padded, caplog):
     """Lengths 37, 64, 101, 23 (the second compiles the symbolic program, the rest reuse it) in
     bf16 autocast: loracc's loss and LoRA gradients are as close to an fp32 eager reference as
     eager PEFT's own bf16 runs are (``conftest.assert_within_eager_bf16_error``; why eager's
-    error alone is not the bound: decision 019), and nothing ran eagerly (a symbolic trace that failed would give eager's numbers too)."""
+    error alone is not the bound: decision 019), and nothing ran eagerly (a symbolic trace that failed would give eager's numbers too).
+    ``padded``: right-padded rows (an attention mask with zeros, labels -100 on the padding), whose
+    attention over the mask is traced at the first attempt, without cuDNN's backend (decision 022)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="loracc")
     model, _ = presets.preset(family, layers=2)
     reference = model.cuda()
     eager = copy.deepcopy(reference)
@@ -138,6 +143,10 @@ def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family):
     for seq in (37, 64, 101, 23):
         ids = torch.randint(0, vocab, (3, seq), device="cuda")
         batch = {"input_ids": ids, "labels": ids}
+        if padded:
+            mask = torch.ones_like(ids)
+            mask[1, seq - seq // 3:] = mask[2, seq - 5:] = 0
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
         results = []
         for model_, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -151,3 +160,4 @@ def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family):
     captures = {r.name: r.captures for r in compiled._loracc.regions}
     assert all(r.dynamic_programs for r in compiled._loracc.regions), captures
     assert not loracc.explain(compiled).fallbacks, loracc.explain(compiled).fallbacks
+    assert not [r.getMessage() for r in caplog.records if "tracing again" in r.getMessage()]

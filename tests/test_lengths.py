@@ -308,3 +308,42 @@ def test_captures_trace_attention_without_the_cudnn_backend():
     capture_forward(Attention(fails_with_flash=True), "attn", call_signature((x,), {}), dynamic=True)
     assert seen == [(False, True), (False, False)]
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+
+
+@pytest.mark.parametrize("pad", [[1, 2], [0, 3, 2, 0], [-1, 2, 1, -2], [0, 0, 0, 0, 1, 1], [2, -3]])
+def test_symbolic_captures_pad_with_ops_that_take_symbolic_sizes(pad):
+    """``constant_pad_nd`` as slices and concatenations (``capture.trace._constant_pad_nd``): F.pad's
+    values for pads of either sign, and a capture that pads by an amount depending on the length
+    (as memory-efficient attention pads a mask to a multiple of 16) traces symbolically and
+    serves other lengths with eager's loss and gradients."""
+    from loracc.capture.trace import _constant_pad_nd
+
+    x = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_constant_pad_nd(x, pad, 1.5), torch.nn.functional.pad(x, pad, value=1.5), rtol=0, atol=0)
+
+    class PadsToSixteen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = loracc.LoRALinear(8, 8, r=4, init_zero=False)
+
+        def forward(self, x):
+            T = x.shape[1]
+            y = torch.ops.aten.constant_pad_nd(self.proj(x), [0, 0, 0, 16 - T % 16], 0.5)
+            return y.cumsum(1)[:, :T] * y[:, T:].sum(1, keepdim=True)
+
+    eager = PadsToSixteen()
+    compiled = loracc.compile(copy.deepcopy(eager), backend="eager")
+    for T in (5, 9, 16, 21):
+        x = torch.randn(2, T, 8)
+        a, b = eager(x), compiled(x)
+        a.square().mean().backward()
+        b.square().mean().backward()
+        assert rel_err(b, a) <= 1e-5
+        for p, q in zip(eager.parameters(), compiled.parameters()):
+            if p.requires_grad:
+                assert rel_err(q.grad, p.grad) <= 1e-4
+                p.grad = q.grad = None
+    (region,) = compiled._loracc.regions
+    assert region.dynamic_programs and not region.fallbacks and region.captures == 2
+    graph = region.dynamic_programs[0].captured.gm.graph
+    assert not [n for n in graph.nodes if "constant_pad_nd" in str(n.target)]  # held as the ops above

@@ -277,7 +277,7 @@ def capture_forward(module: nn.Module, module_path: str, signature: CallSignatur
                 captured.fakes = examples
             try:
                 with _SourceTracker(module, module_path), _attention_backends_off(off):
-                    gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions())
+                    gm = _compat.trace(flat_forward, examples, decompositions=capture_decompositions(dynamic))
                 break
             except Unsupported:
                 raise
@@ -445,14 +445,46 @@ def _transformers_grouped_mm(input, weight, offs):
     return GROUPED_MM(input, weight, offs)
 
 
-def capture_decompositions() -> dict:
+def capture_decompositions(dynamic: bool = False) -> dict:
     """Ops the captured forward holds as others (see ``_grouped_mm``, ``_transformers_grouped_mm``);
-    transformers' op is there once transformers has registered it."""
+    transformers' op is there once transformers has registered it. A symbolic capture also holds
+    padding as the ops it is made of (``_constant_pad_nd``): without it, attention over a padding
+    mask could only be traced with cuDNN's backend, which plans every new length again (decision 022)."""
     table = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+    if dynamic:
+        table[torch.ops.aten.constant_pad_nd.default] = _constant_pad_nd
     fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
     if fallback is not None:
         table[fallback.default] = _transformers_grouped_mm
     return table
+
+
+def _constant_pad_nd(x, pad, value=0):
+    """``aten.constant_pad_nd`` as slices and concatenations with ``full`` blocks: ops whose fake
+    kernels take symbolic sizes. The op's own fake kernel takes concrete pads only on some torch
+    versions (2.11: "SymIntArrayRef expected to contain only concrete integers"), and
+    memory-efficient attention pads an attention mask's last dim to a multiple of 16 by an amount
+    that is symbolic in a symbolic trace. ``pad`` lists (before, after) pairs from the last dim
+    backwards, as ``F.pad`` does; a negative pad crops. A symbolic pad is taken as non-negative
+    (a negative one fails the trace: the call then runs as the capture's fallback says)."""
+    for k in range(len(pad) // 2):
+        dim = x.dim() - 1 - k
+        before, after = pad[2 * k], pad[2 * k + 1]
+        if isinstance(before, int) and before < 0:
+            x, before = x.narrow(dim, -before, x.shape[dim] + before), 0
+        if isinstance(after, int) and after < 0:
+            x, after = x.narrow(dim, 0, x.shape[dim] + after), 0
+        parts = []
+        for amount in (before, x, after):
+            if isinstance(amount, torch.Tensor):
+                parts.append(amount)
+            elif not (isinstance(amount, int) and amount == 0):
+                shape = list(x.shape)
+                shape[dim] = amount
+                parts.append(x.new_full(shape, value))
+        if len(parts) > 1:
+            x = torch.cat(parts, dim)
+    return x
 
 
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
