@@ -114,6 +114,30 @@ def guards_hold(shape_env, fakes: list, tensors: list) -> bool:
     return bool(eval(cached[1], SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(tensors)}}))
 
 
+def failing_guards(shape_env, fakes: list, tensors: list, limit: int = 3) -> list[str]:
+    """The guards of ``shape_env`` (see ``guards_hold``) that the sizes of ``tensors`` fail, as text
+    with the symbols named by the sizes they stand for (``limit`` at most): why a symbolic program
+    did not admit a call. Guards over anything but the tensors' sizes are not evaluated."""
+    import sympy
+
+    values = {}
+    for fake, real in zip(fakes, tensors):
+        for i, (size, actual) in enumerate(zip(fake.shape, real.shape)):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                values.setdefault(size.node.expr, int(actual))
+    failed = []
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if not expr.free_symbols <= set(values):
+            continue
+        if expr.xreplace(values) == sympy.false:
+            named = ", ".join(f"{symbol}={values[symbol]}" for symbol in sorted(expr.free_symbols, key=str))
+            failed.append(f"{expr} ({named})")
+            if len(failed) == limit:
+                break
+    return failed
+
+
 def hint(size) -> int:
     """A size as an int: a symbolic size's value at the shapes it was traced with, without adding a
     guard (``int()`` of a symbolic size would specialise the graph to it)."""

@@ -347,3 +347,29 @@ def test_symbolic_captures_pad_with_ops_that_take_symbolic_sizes(pad):
     assert region.dynamic_programs and not region.fallbacks and region.captures == 2
     graph = region.dynamic_programs[0].captured.gm.graph
     assert not [n for n in graph.nodes if "constant_pad_nd" in str(n.target)]  # held as the ops above
+
+
+def test_a_size_the_symbolic_program_does_not_admit_compiles_again_and_says_which_guard():
+    """A forward that branches on the length: the symbolic program traced at 9 holds a guard on it;
+    a length on the other side compiles another program (eager's numbers on both sides), and the
+    region's recompile reason names the failing guard with the size it got."""
+
+    class Branches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = loracc.LoRALinear(8, 8, r=4, init_zero=False)
+
+        def forward(self, x):
+            y = self.proj(x)
+            return y * 2 if x.shape[1] > 16 else y.tanh()
+
+    eager = Branches()
+    compiled = loracc.compile(copy.deepcopy(eager), backend="eager")
+    for T in (5, 9, 12, 20):
+        x = torch.randn(2, T, 8)
+        a, b = eager(x), compiled(x)
+        assert rel_err(b, a) <= 1e-5, T
+    (region,) = compiled._loracc.regions
+    assert region.captures == 3, region.recompile_reasons
+    reason = region.recompile_reasons[-1]
+    assert reason.startswith("the symbolic program's guards do not admit float32[2, 20, 8]") and "=20)" in reason, reason

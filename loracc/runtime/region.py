@@ -185,7 +185,14 @@ class Region:
         log.info("compiled region %s in %.2f s (%s LoRA layers fused)", self.name, time.perf_counter() - start,
                  program.reports.get("lora_match", {}).get("matched", 0))
         if self.programs:
-            self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
+            refused = [p for p in self.dynamic_programs if p.generic_key == generic]
+            if refused:  # a symbolic program of this kind exists: its guards did not admit these sizes
+                failed = _compat.failing_guards(refused[-1].captured.shape_env, refused[-1].captured.fakes,
+                                                state + signature.tensors)
+                self.recompile_reasons.append(f"the symbolic program's guards do not admit "
+                                              f"{_describe_shapes(signature.tensors)}: {'; '.join(failed) or 'unknown guard'}")
+            else:
+                self.recompile_reasons.append(_describe_change(next(iter(self.programs)), key))
         if program.dynamic:
             program.generic_key = generic
             self.dynamic_programs.append(program)
