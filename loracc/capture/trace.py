@@ -460,13 +460,16 @@ def capture_decompositions(dynamic: bool = False) -> dict:
 
 
 def _constant_pad_nd(x, pad, value=0):
-    """``aten.constant_pad_nd`` as slices and concatenations with ``full`` blocks: ops whose fake
-    kernels take symbolic sizes. The op's own fake kernel takes concrete pads only on some torch
-    versions (2.11: "SymIntArrayRef expected to contain only concrete integers"), and
+    """``aten.constant_pad_nd`` as a ``full`` block of the padded size with ``x`` scattered into it:
+    ops whose fake kernels take symbolic sizes. The op's own fake kernel takes concrete pads only on
+    some torch versions (2.11: "SymIntArrayRef expected to contain only concrete integers"), and
     memory-efficient attention pads an attention mask's last dim to a multiple of 16 by an amount
-    that is symbolic in a symbolic trace. ``pad`` lists (before, after) pairs from the last dim
-    backwards, as ``F.pad`` does; a negative pad crops. A symbolic pad is taken as non-negative
-    (a negative one fails the trace: the call then runs as the capture's fallback says)."""
+    that is symbolic in a symbolic trace. A block of the pad's own size (``full`` then ``cat``)
+    would guard on that amount not being 1 (a size of 1 lays out as any stride), so a length one
+    short of a multiple of 16 would compile again; the padded size is never near 1. ``pad`` lists
+    (before, after) pairs from the last dim backwards, as ``F.pad`` does; a negative pad crops. A
+    symbolic pad is taken as non-negative (a negative one fails the trace: the call then runs as
+    the capture's fallback says)."""
     for k in range(len(pad) // 2):
         dim = x.dim() - 1 - k
         before, after = pad[2 * k], pad[2 * k + 1]
@@ -474,16 +477,12 @@ def _constant_pad_nd(x, pad, value=0):
             x, before = x.narrow(dim, -before, x.shape[dim] + before), 0
         if isinstance(after, int) and after < 0:
             x, after = x.narrow(dim, 0, x.shape[dim] + after), 0
-        parts = []
-        for amount in (before, x, after):
-            if isinstance(amount, torch.Tensor):
-                parts.append(amount)
-            elif not (isinstance(amount, int) and amount == 0):
-                shape = list(x.shape)
-                shape[dim] = amount
-                parts.append(x.new_full(shape, value))
-        if len(parts) > 1:
-            x = torch.cat(parts, dim)
+        if isinstance(before, int) and isinstance(after, int) and before == after == 0:
+            continue
+        n = x.shape[dim]
+        shape = list(x.shape)
+        shape[dim] = before + n + after
+        x = torch.slice_scatter(x.new_full(shape, value), x, dim, before, before + n)
     return x
 
 
