@@ -162,6 +162,23 @@ def test_saved_bytes_fall_monotonically_with_a_byte_limit(block):
         remat(joint, n_outputs, "8GB")
 
 
+def test_the_cut_is_the_same_with_every_maximum_flow_algorithm(block, monkeypatch):
+    """The source side of the cut (what cannot reach the sink in the residual network) is the same
+    for every maximum flow: networkx's default algorithm gives the plan the faster one gives, at
+    every price tried."""
+    import importlib
+
+    from networkx.algorithms.flow import preflow_push
+
+    module = importlib.import_module("loracc.passes.remat")
+    _, joint, n_outputs = block
+    prices = [FASTEST, *module.PRICES[::4]]
+    plans = [Cut(joint, n_outputs).plan(price).saved for price in prices]
+    monkeypatch.setattr(module, "shortest_augmenting_path", preflow_push)
+    assert [Cut(joint, n_outputs).plan(price).saved for price in prices] == plans
+    assert len({tuple(p) for p in plans}) > 1  # the prices give different cuts
+
+
 def test_fastest_plan_recomputes_only_cheap_ops_and_saves_less_than_every_read(block):
     _, joint, n_outputs = block
     report = remat(joint, n_outputs, None).report

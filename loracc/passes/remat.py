@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 import networkx as nx
+from networkx.algorithms.flow import shortest_augmenting_path
 import torch
 import torch.fx as fx
 
@@ -289,7 +290,10 @@ class Cut:
             if g not in self.backward:
                 graph.add_edge((g, "out"), SINK)
         try:
-            _, (reachable, _) = nx.minimum_cut(graph, SOURCE, SINK)
+            # The cut networkx returns (what cannot reach the sink in the residual network) is the
+            # same for every maximum flow; shortest augmenting paths find one ~5x faster than its
+            # default, preflow-push, on these graphs (decision 023).
+            _, (reachable, _) = nx.minimum_cut(graph, SOURCE, SINK, flow_func=shortest_augmenting_path)
         except nx.NetworkXUnbounded as exc:
             raise Unsupported("remat found no way to split the forward from the backward: the backward needs a "
                               "value that can be neither saved nor recomputed") from exc
