@@ -2,7 +2,7 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   [LIMIT=seconds] [TESTS=...] [ROUNDS=2] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
+#   [LIMIT=seconds] [TESTS=...] [ROUNDS=2] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-loracc|varlen-breakdown|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset; ROUNDS=2 runs
@@ -16,7 +16,9 @@
 #        (varying lengths on a Qwen2-0.5B-shaped model, padded and packed, with loracc's fixed-shape
 #        references), one call each: eager PEFT, Liger, Unsloth, loracc and loracc without CUDA graphs on every layout;
 #        torch.compile on the padded layout; the same with dynamic=True; both on the packed layout.
-#        MAXLEN=1024 clips the lengths.
+#        MAXLEN=1024 clips the lengths. varlen-loracc: the padded layout only, eager PEFT and loracc, loracc
+#        again on the caches of its first run (--warm), ~4 minutes. varlen-breakdown: `python -m benchmarks
+#        varlen-breakdown` (host and device time of new and seen shapes, cProfile and torch.profiler tables).
 # moe, nf4, sdxl, flux: the Qwen3-MoE-shaped, Llama-3-8B NF4-base (PEFT + bitsandbytes, eager PEFT over
 #        loracc's NF4 layers, loracc with and without an 8GB budget; and loracc on the bf16 base), SDXL
 #        UNet 1024² and Flux-dev-shaped (3+6 blocks) step rows; each part under ~10 minutes.
@@ -64,6 +66,13 @@ for part in "${@:-tests}"; do
     quick)
         BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks step --quick --out "$OUT/step-quick.json" \
             --report-dir "$OUT/report-quick" 2>&1 | grep -A30 "^summary" ;;
+    varlen-loracc)
+        BENCH_GIT_COMMIT=$commit timeout 400 python -m benchmarks step --varlen --workload qwen2-0.5b-varlen \
+            --method peft-eager,loracc --warm ${MAXLEN:+--max-len $MAXLEN} --timeout 360 --deadline 380 \
+            --out "$OUT/$part.json" 2>&1 | grep -A12 "^summary" ;;
+    varlen-breakdown)
+        timeout 500 python -m benchmarks varlen-breakdown --mode fixed-default --mode fixed-symbolic --mode varlen-default \
+            --steps 30 --out "$OUT/varlen-breakdown" 2>&1 | grep '^{' ;;
     varlen|varlen-compile|varlen-dynamic|varlen-compile-packed)
         what="--method peft-eager,peft-liger,unsloth,loracc,loracc-nographs"
         [ $part = varlen-compile ] && what="--method peft-compile --workload qwen2-0.5b-varlen"
@@ -89,6 +98,6 @@ for part in "${@:-tests}"; do
     lora)
         BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks lora-linear --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
     *)
-        echo "unknown part $part: tests, steps, kernels, quick, varlen, varlen-compile, varlen-dynamic, varlen-compile-packed, moe, nf4, sdxl, flux or lora"; exit 2 ;;
+        echo "unknown part $part: tests, steps, kernels, quick, varlen, varlen-loracc, varlen-breakdown, varlen-compile, varlen-dynamic, varlen-compile-packed, moe, nf4, sdxl, flux or lora"; exit 2 ;;
     esac
 done
