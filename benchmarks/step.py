@@ -222,10 +222,13 @@ def _loracc_notes(peft_model, budget, state: str = "fp32") -> str:
     fallbacks = [f"{f.module}: {f.reason}" for f in explained.fallbacks]
     graphs = explained.cuda_graphs
     recompiles = [f"{r.name}: {reason}" for r in explained.regions for reason in r.recompiles]
+    traces = [t for r in explained.regions for t in r.traces]
+    read = sum("read from the trace cache" in t for t in traces)
     return (f"memory_budget={budget!r}, " + ("AdamW moments int8, " if state == "int8" else "")
             + f"backend {explained.backend}, "
             f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
-            f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s, "
+            f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s "
+            f"({read} of {len(traces)} programs' graphs read from the trace cache), "
             f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}"
             + (f"; recompiled: {'; '.join(recompiles)}" if recompiles else "")
             + (f"; CUDA graphs: {'; '.join(graphs)}" if graphs else ""))

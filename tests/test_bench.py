@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -647,6 +648,7 @@ def test_other_workloads_train_and_match_eager(workload):
         assert compiled["flops_per_token"] == eager["flops_per_token"] > 0
         assert compiled["flops_per_token"] * spec["batch"] * spec["seq"] > 4 * frozen * spec["batch"]
     assert "fallbacks to eager: none" in compiled["notes"], compiled["notes"]
+    assert re.search(r"\(\d+ of \d+ programs' graphs read from the trace cache\)", compiled["notes"]), compiled["notes"]
 
 
 def test_nf4_base_through_bitsandbytes_trains_as_loracc_quantize():
