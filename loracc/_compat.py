@@ -122,7 +122,7 @@ def failing_guards(shape_env, fakes: list, tensors: list, limit: int = 3) -> lis
 
     values = {}
     for fake, real in zip(fakes, tensors):
-        for i, (size, actual) in enumerate(zip(fake.shape, real.shape)):
+        for size, actual in zip(fake.shape, real.shape):
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                 values.setdefault(size.node.expr, int(actual))
     failed = []
