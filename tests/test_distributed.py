@@ -581,8 +581,8 @@ def test_helpers_need_a_process_group():
 
 def test_helpers_in_a_single_rank_group(tmp_path):
     """World size 1: global_num_items counts the shifted labels that are not -100; FlatGradientSync
-    refuses an optimizer without flat buffers and a second backward outside no_sync(), naming what
-    to do instead, leaves the gradients of one backward as they are, and a new one on the same
+    refuses an optimizer without flat buffers, a second backward outside no_sync() and parameters
+    moved out of the optimizer's buffers, naming what to do instead, leaves the gradients of one backward as they are, and a new one on the same
     optimizer takes the place of the old one."""
     import torch.distributed as dist
 
@@ -615,6 +615,13 @@ def test_helpers_in_a_single_rank_group(tmp_path):
         model(**batch).backward()
         assert not any(b.work for b in first.buckets) and all(b.work for b in second.buckets)
         second.wait()
+
+        model, batch = plain()  # parameters moved out of the optimizer's buffers after it was built
+        optimizer = loracc.FusedAdamW([p for p in model.parameters() if p.requires_grad])
+        sync = FlatGradientSync(optimizer, bucket_bytes=1024)
+        model.double()
+        with pytest.raises(loracc.LoraccError, match="no longer lives in FusedAdamW's flat buffer"):
+            model(**{k: v.double() for k, v in batch.items()}).backward()
     finally:
         dist.destroy_process_group()
 

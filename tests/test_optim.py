@@ -126,12 +126,15 @@ def test_params_and_grads_are_views_of_flat_buffers(kernel_path):
         for _ in range(2):
             optimizer.zero_grad(set_to_none=set_to_none)
             model(**batch).backward()
-            assert all(inside(p.grad, buffer.grads) for p in trainable), f"set_to_none={set_to_none}"
+            # set_to_none=False: backward accumulated into the views; True: fresh tensors, until step()
+            assert all(inside(p.grad, buffer.grads) != set_to_none for p in trainable), f"set_to_none={set_to_none}"
             optimizer.step()
+            assert all(inside(p.grad, buffer.grads) for p in trainable), f"set_to_none={set_to_none}"
     model.zero_grad(set_to_none=True)  # as Hugging Face Trainer does: autograd makes fresh tensors
     model(**batch).backward()
-    assert all(inside(p.grad, buffer.grads) for p in trainable)
-    (flat,) = optimizer.flat_grads()
+    fresh = [p.grad.clone() for p in trainable]
+    (flat,) = optimizer.flat_grads()  # copies them in
+    assert all(inside(p.grad, buffer.grads) and torch.equal(p.grad, g) for p, g in zip(trainable, fresh))
     assert flat.data_ptr() == grads_address
     assert torch.equal(flat[buffer.starts[1]:buffer.starts[1] + trainable[1].numel()], trainable[1].grad.flatten())
     frozen = [p for p in model.parameters() if not p.requires_grad]

@@ -82,8 +82,9 @@ class FlatGradientSync:
     """Average a :class:`loracc.FusedAdamW`'s gradients over the ranks, overlapped with the backward.
 
     The alternative to DDP for a model that is *not* wrapped in it: the all-reduces run on slices of
-    FusedAdamW's flat gradient buffers, so no gradient is copied to or from a communication bucket.
-    Each flat buffer is cut into buckets of consecutive parameters (about ``bucket_bytes``); a
+    FusedAdamW's flat gradient buffers, so no gradient is copied out of a communication bucket (one
+    that autograd made fresh, after ``zero_grad(set_to_none=True)``, is copied into its view by the
+    sync's hook as it is made). Each flat buffer is cut into buckets of consecutive parameters (about ``bucket_bytes``); a
     bucket's all-reduce is launched (asynchronously) as soon as every parameter in it has its
     gradient, so the buckets of the last layers are reduced while the backward of the first runs::
 
@@ -96,8 +97,7 @@ class FlatGradientSync:
         sync.wait()                                              # every gradient averaged
         optimizer.step(); optimizer.zero_grad()
 
-    Contract: build it after the optimizer (its hooks must run after FusedAdamW's, which put each
-    gradient into the flat buffer); one backward between ``wait()`` calls outside ``no_sync()``;
+    Contract: build it after the optimizer (it reads the optimizer's gradient views); one backward between ``wait()`` calls outside ``no_sync()``;
     every rank gives gradients to the same parameters in every step (the buckets launched during
     the backward are then the same, in the same order, everywhere). A parameter without a gradient
     gets zeros, as under DDP. The parameters must start equal on every rank: the same seed, or one
@@ -143,7 +143,7 @@ class FlatGradientSync:
         bucket = _Bucket(flat[lo:hi], [(p, p.grad) for p in params])
         self.buckets.append(bucket)
         for p in params:
-            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, p.grad)))
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, p.grad, p.data_ptr())))
 
     def remove(self) -> None:
         """Take the hooks off the parameters: backwards no longer launch all-reduces."""
@@ -151,14 +151,18 @@ class FlatGradientSync:
             handle.remove()
         self.handles = []
 
-    def _hook(self, bucket: "_Bucket", view: torch.Tensor):
+    def _hook(self, bucket: "_Bucket", view: torch.Tensor, address: int):
         def ready(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
-            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                raise LoraccError("loracc.distributed.FlatGradientSync: a gradient is not in FusedAdamW's flat "
-                                  "buffer; build FlatGradientSync after the optimizer, and the optimizer after "
+            if param.data_ptr() != address:
+                raise LoraccError("loracc.distributed.FlatGradientSync: a parameter no longer lives in FusedAdamW's "
+                                  "flat buffer; build FlatGradientSync after the optimizer, and the optimizer after "
                                   "moving the model to its device and dtype")
+            if param.grad is not view:  # a fresh gradient (after zero_grad(set_to_none=True)): into the bucket
+                with torch.no_grad():
+                    view.copy_(param.grad)
+                param.grad = view
             bucket.ready += 1
             if bucket.ready > len(bucket.params):
                 raise LoraccError("loracc.distributed.FlatGradientSync: a second backward before wait(): run the "

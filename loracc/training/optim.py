@@ -7,18 +7,20 @@ The trainable parameters of a LoRA model are small and many (two per adapted pro
 loracc keeps each param group's parameters (per device and dtype) in one flat buffer:
 
 - ``param.data`` is a view of a flat parameter buffer, ``param.grad`` a view of a flat gradient
-  buffer, and the moments ``exp_avg``/``exp_avg_sq`` are flat fp32 buffers; nothing is allocated
-  per step;
+  buffer (from ``step()`` on; see below for the backward after ``zero_grad(set_to_none=True)``),
+  and the moments ``exp_avg``/``exp_avg_sq`` are flat fp32 buffers;
 - ``step()`` is one launch of the ``templates/adamw.py.jinja`` kernel per buffer (on CUDA, or on the
   CPU under ``TRITON_INTERPRET=1``; elsewhere the same math runs as torch ops);
 - ``flat_grads()`` returns the gradient buffers: a data-parallel all-reduce is one call on each.
 
 It computes what ``torch.optim.AdamW`` computes (fp32 rounding aside; 16-bit parameters keep fp32
 moments), with the same semantics: a parameter whose ``.grad`` is None is not updated and its step
-count does not advance; ``zero_grad(set_to_none=True)`` sets ``.grad`` to None, and the next backward
-puts each gradient back into the flat buffer (a hook copies it in; so does ``step()`` for a gradient
-assigned by hand). ``zero_grad(set_to_none=False)`` zeros the buffer in one call and keeps the views,
-so that backward accumulates in place. ``state_dict()`` has torch AdamW's layout (per-parameter
+count does not advance; ``zero_grad(set_to_none=True)`` sets ``.grad`` to None; the next backward then
+leaves fresh gradient tensors, which ``step()`` (or ``flat_grads()``) copies into the flat buffer with
+one multi-tensor copy, pointing each ``.grad`` back at its view (a per-parameter hook copying each
+as autograd makes it would cost a Python call and a kernel launch per parameter, hundreds a step).
+``zero_grad(set_to_none=False)`` zeros the buffer in one call and keeps the views, so that backward
+accumulates in place. ``state_dict()`` has torch AdamW's layout (per-parameter
 ``step``, ``exp_avg``, ``exp_avg_sq``): checkpoints load into either optimizer.
 
 ``state_dtype="int8"`` keeps the moments in 8 bits, as bitsandbytes' blockwise 8-bit Adam does:
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 
 import torch
 
@@ -105,8 +106,6 @@ class FlatBuffer:
                     view.copy_(p.grad)
                     p.grad = view
         self.addresses = [p.data_ptr() for p in params]
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(_copy_in_hook(weakref.ref(self), i))
 
     def views(self, buffer: Tensor) -> list[Tensor]:
         return [buffer[s:s + p.numel()].view(p.shape) for s, p in zip(self.starts, self.params)]
@@ -196,23 +195,6 @@ class FlatBuffer:
             if p.grad is None:
                 view.zero_()
                 p.grad = view
-
-
-def _copy_in_hook(buffer_ref, index: int):
-    """After autograd accumulated parameter ``index``'s gradient: if that is a fresh tensor (its .grad
-    was None, e.g. after ``zero_grad()``), copy it into the flat buffer and point .grad back at it."""
-
-    def hook(param: Tensor) -> None:
-        buffer = buffer_ref()
-        if buffer is None or param.data_ptr() != buffer.addresses[index]:
-            return  # the optimizer is gone, or the parameter moved out of its buffer (step() reports that)
-        view = buffer.grad_views[index]
-        if param.grad is not view:
-            with torch.no_grad():
-                view.copy_(param.grad)
-            param.grad = view
-
-    return hook
 
 
 class FusedAdamW(torch.optim.Optimizer):
