@@ -463,10 +463,10 @@ def _constant_pad_nd(x, pad, value=0):
     """``aten.constant_pad_nd`` as a ``full`` block of the padded size with ``x`` scattered into it:
     ops whose fake kernels take symbolic sizes. The op's own fake kernel takes concrete pads only on
     some torch versions (2.11: "SymIntArrayRef expected to contain only concrete integers"), and
-    memory-efficient attention pads an attention mask's last dim to a multiple of 16 by an amount
+    memory-efficient attention pads an attention mask's last dim to an aligned size by an amount
     that is symbolic in a symbolic trace. A block of the pad's own size (``full`` then ``cat``)
     would guard on that amount not being 1 (a size of 1 lays out as any stride), so a length one
-    short of a multiple of 16 would compile again; the padded size is never near 1. ``pad`` lists
+    short of the aligned size would compile again; the padded size is never near 1. ``pad`` lists
     (before, after) pairs from the last dim backwards, as ``F.pad`` does; a negative pad crops. A
     symbolic pad is taken as non-negative (a negative one fails the trace: the call then runs as
     the capture's fallback says)."""
