@@ -201,10 +201,9 @@ def _dynamo_graphs() -> int | None:
 def targets(records: list[dict]) -> list[str]:
     """The varying-length targets (issue 19) read from one run's records, one line each; a figure
     that a missing or failed row does not give is named as missing."""
-    ok = {(r["method"], spec(r["workload"])["layout"]): r for r in records
-          if r.get("status") == "ok" and r.get("wall_s_run") is not None and not r.get("first_step_cache")}
-    warm = {(r["method"], spec(r["workload"])["layout"]): r for r in records
-            if r.get("status") == "ok" and r.get("wall_s_run") is not None and r.get("first_step_cache")}
+    # (method, layout, on the caches of an earlier run (--warm)) → its row
+    rows = {(r["method"], spec(r["workload"])["layout"], bool(r.get("first_step_cache"))): r for r in records
+            if r.get("status") == "ok" and r.get("wall_s_run") is not None}
 
     def ratio(what: str, a, b, key: str, target: float, above: bool = True) -> str:
         if a is None or b is None or not a.get(key) or not b.get(key):
@@ -213,10 +212,10 @@ def targets(records: list[dict]) -> list[str]:
         met = value >= target if above else value <= target
         return f"{what}: {value:.2f}x ({'met' if met else 'NOT met'}, target {'>=' if above else '<='} {target})"
 
-    loracc = lambda layout: ok.get(("loracc", layout))  # noqa: E731
+    loracc = lambda layout: rows.get(("loracc", layout, False))  # noqa: E731
     lines = [
         ratio("padded, loracc / eager PEFT real tokens/s over the whole run", loracc("padded"),
-              ok.get(("peft-eager", "padded")), "tokens_per_s", 1.5),
+              rows.get(("peft-eager", "padded", False)), "tokens_per_s", 1.5),
         ratio("padded, loracc / loracc fixed shape at the same mean tokens per step (whole run)", loracc("padded"),
               loracc("fixed-mean"), "tokens_per_s", 0.85),
         ratio("padded, the same over the second half of the steps", loracc("padded"), loracc("fixed-mean"),
@@ -225,9 +224,9 @@ def targets(records: list[dict]) -> list[str]:
               "peak_memory_bytes", 1.1, above=False),
         ratio("packed / padded real tokens/s, loracc", loracc("packed"), loracc("padded"), "tokens_per_s", 1.3),
     ]
-    if ("loracc", "padded") in warm:
+    if ("loracc", "padded", True) in rows:
         lines.append(ratio("padded, loracc on warm caches (--warm) / eager PEFT real tokens/s over the whole run",
-                           warm[("loracc", "padded")], ok.get(("peft-eager", "padded")), "tokens_per_s", 1.5))
+                           rows[("loracc", "padded", True)], rows.get(("peft-eager", "padded", False)), "tokens_per_s", 1.5))
     padded = loracc("padded")
     if padded and padded.get("new_shape_host_ms_max") is not None:
         worst = padded["new_shape_host_ms_max"]

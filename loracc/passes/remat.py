@@ -49,14 +49,13 @@ from . import PassResult
 from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
 )
-
-# loracc ops without a GEMM, as cheap to compute again as ATen's pointwise ops: a quantized weight's
-# decoding, the interleaved rotation of rotary embeddings.
-RECOMPUTABLE = (*DEQUANTIZERS, ROTATE_PAIRS)
 from .contract import graph_problems, names, same_structure
 from .partition import backward_nodes, forward_nodes, is_random, joint_problems
 
 aten = torch.ops.aten
+# loracc ops without a GEMM, as cheap to compute again as ATen's pointwise ops: a quantized weight's
+# decoding, the interleaved rotation of rotary embeddings.
+RECOMPUTABLE = (*DEQUANTIZERS, ROTATE_PAIRS)
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.convolution, torch.ops.loracc.lora_linear}
 ATTENTION = {
     getattr(aten, name)
@@ -291,8 +290,8 @@ class Cut:
                 graph.add_edge((g, "out"), SINK)
         try:
             # The cut networkx returns (what cannot reach the sink in the residual network) is the
-            # same for every maximum flow; shortest augmenting paths find one ~5x faster than its
-            # default, preflow-push, on these graphs (decision 023).
+            # same for every maximum flow; shortest augmenting paths rather than its default,
+            # preflow-push: decision 023.
             _, (reachable, _) = nx.minimum_cut(graph, SOURCE, SINK, flow_func=shortest_augmenting_path)
         except nx.NetworkXUnbounded as exc:
             raise Unsupported("remat found no way to split the forward from the backward: the backward needs a "

@@ -84,8 +84,8 @@ class FlatGradientSync:
     The alternative to DDP for a model that is *not* wrapped in it: the all-reduces run on slices of
     FusedAdamW's flat gradient buffers, so no gradient is copied out of a communication bucket (one
     that autograd made fresh, after ``zero_grad(set_to_none=True)``, is copied into its view by the
-    sync's hook as it is made). Each flat buffer is cut into buckets of consecutive parameters (about ``bucket_bytes``); a
-    bucket's all-reduce is launched (asynchronously) as soon as every parameter in it has its
+    sync's hook as it is made). Each flat buffer is cut into buckets of consecutive parameters
+    (about ``bucket_bytes``); a bucket's all-reduce is launched (asynchronously) as soon as every parameter in it has its
     gradient, so the buckets of the last layers are reduced while the backward of the first runs::
 
         optimizer = loracc.FusedAdamW(params, lr=...)
@@ -97,8 +97,8 @@ class FlatGradientSync:
         sync.wait()                                              # every gradient averaged
         optimizer.step(); optimizer.zero_grad()
 
-    Contract: build it after the optimizer (it reads the optimizer's gradient views); one backward between ``wait()`` calls outside ``no_sync()``;
-    every rank gives gradients to the same parameters in every step (the buckets launched during
+    Contract: build it after the optimizer (it reads the optimizer's gradient views); one backward
+    between ``wait()`` calls outside ``no_sync()``; every rank gives gradients to the same parameters in every step (the buckets launched during
     the backward are then the same, in the same order, everywhere). A parameter without a gradient
     gets zeros, as under DDP. The parameters must start equal on every rank: the same seed, or one
     ``torch.distributed.broadcast(p.data, 0)`` each. One sync per optimizer: a new one removes the
