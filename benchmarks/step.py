@@ -224,12 +224,14 @@ def _loracc_notes(peft_model, budget, state: str = "fp32") -> str:
     recompiles = [f"{r.name}: {reason}" for r in explained.regions for reason in r.recompiles]
     traces = [t for r in explained.regions for t in r.traces]
     read = sum("read from the trace cache" in t for t in traces)
+    uncached = sorted({t.split("traced, not cached: ", 1)[1] for t in traces if "traced, not cached: " in t})
     return (f"memory_budget={budget!r}, " + ("AdamW moments int8, " if state == "int8" else "")
             + f"backend {explained.backend}, "
             f"{len(explained.lora_layers_matched)}/{len(explained.lora_layers)} LoRA layers fused, "
             f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s "
             f"({read} of {len(traces)} programs' graphs read from the trace cache), "
             f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}"
+            + (f"; not kept in the trace cache: {'; '.join(uncached)}" if uncached else "")
             + (f"; recompiled: {'; '.join(recompiles)}" if recompiles else "")
             + (f"; CUDA graphs: {'; '.join(graphs)}" if graphs else ""))
 

@@ -433,3 +433,32 @@ def test_a_symbolic_entry_naming_an_unknown_size_operation_is_refused(cache_dir)
     with pytest.warns(UserWarning, match="refusing trace cache entry"):
         worst, reports = _varying_steps([12, 17])
     assert worst <= 1e-5 and not any(r["hit"] for r in reports), reports
+
+
+def test_a_guard_combining_comparisons_reads_back_and_is_replayed():
+    """Broadcasting two symbolic sizes records ``Or(Eq(a, 1), Eq(b, a))`` (a padded batch's mask
+    against its hidden states on the GPU): such a guard is kept and replayed on a later call's
+    sizes, holding or not as the trace's did."""
+    import sympy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    def fakes(rows_a, rows_b):
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+        return [mode.from_tensor(torch.empty(rows, 5), symbolic_context=context) for rows in (rows_a, rows_b)]
+
+    a, b = (f.shape[0].node.expr for f in fakes(3, 4))
+    guard = sympy.Or(sympy.Eq(a, 1), sympy.Eq(b, a))
+    tree = trace_cache._expression(guard)
+    assert tree["op"] == "Or" and {arg["op"] for arg in tree["args"]} == {"Equality"}
+    named = json.loads(json.dumps(tree))  # as an entry keeps it
+    for rows_a, rows_b, holds in [(3, 3, True), (6, 6, True), (3, 4, False)]:  # a size of 1 is never symbolic
+        later = fakes(rows_a, rows_b)
+        symbols = trace_cache._Symbols(later)
+        names = [f.shape[0].node.expr.name for f in later]
+        text = json.dumps(named).replace(f'"{a.name}"', '"<A>"').replace(f'"{b.name}"', '"<B>"')
+        renamed = json.loads(text.replace('"<A>"', f'"{names[0]}"').replace('"<B>"', f'"{names[1]}"'))
+        assert bool(symbols.value(renamed)) is holds
+        assert symbols.mode.shape_env.guards  # replaying it recorded a guard, as the trace did
+    assert trace_cache._expression(sympy.And(sympy.Eq(a, 2), sympy.Eq(b, 3)))["op"] == "And"
