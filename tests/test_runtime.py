@@ -120,7 +120,7 @@ def test_untraceable_region_falls_back_to_eager_with_a_warning():
     eager = _Stack().train()
     compiled = loracc.compile(copy.deepcopy(eager))
     x = torch.randn(3, 8)
-    with pytest.warns(UserWarning, match=r"layers\.0 runs eagerly: tracing failed"):
+    with pytest.warns(UserWarning, match=r"layers\.\d runs eagerly: tracing failed"):
         loss_c = compiled(x)
     loss_c.backward()
     loss_e = eager(x)

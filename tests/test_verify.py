@@ -70,13 +70,14 @@ def test_a_correct_model_passes_silently_and_trains_as_eager():
             _assert_same(_step(model, batch, seed), _step(reference, batch, seed), tol=1e-4)
     assert _loracc_warnings(caught) == []
     regions = model._loracc.regions
-    programs = [p for r in regions for p in r.programs.values() if p is not None]
+    programs = {id(p): p for r in regions for p in r.programs.values() if p is not None}
     checks = [v for r in regions for v in r.verifications]
-    assert len(programs) == len(checks) == 3  # layer 0 (input needs no gradient), the other layers, the head
+    assert len(programs) == len(checks) == 2  # the layers (layer 0's first call ran eagerly, then shares it), the head
     for check in checks:
         assert check.passed and check.tolerance == 1e-4 and check.gradients and check.outputs
         assert check.gradient_error <= 1e-5 and "verified against eager" in check.describe()
-    assert all(r.mismatch is None and r.calls == 2 * r.repeats for r in regions)
+    # two steps, each layer once a step, but layer 0's first call (eager, before any program)
+    assert all(r.mismatch is None and r.calls == 2 * r.repeats - (r.kind == "block") for r in regions)
     assert "verified against eager" in str(loracc.explain(model))
 
 
@@ -287,7 +288,7 @@ def test_a_wrong_node_in_the_backward_graph_is_found(monkeypatch):
     loracc.compile(model, backend="eager", verify=True)
     with pytest.warns(UserWarning, match=r"first differs in the partitioned forward/backward graphs .*, at node \w+ "
                                          r"\(output \d of \w+ \(loracc\.lora_linear_backward\.default, module "
-                                         r"blocks\.0[\w.]*\)\) of the backward graph"):
+                                         r"blocks\.\d[\w.]*\)\) of the backward graph"):
         got = _step(model, batch)
     _assert_same(got, _step(reference, batch))
 

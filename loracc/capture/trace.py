@@ -49,6 +49,15 @@ class CallSignature:
     spec: object
     leaves: list
 
+    def needing_gradients(self, wanted: list[bool]) -> "CallSignature":
+        """This call with the tensors flagged in ``wanted`` (one flag per tensor, in order) needing a
+        gradient: a program compiled for it also computes those gradients. ``self`` if nothing changes."""
+        if not any(w and not t.requires_grad for w, t in zip(wanted, self.tensors)):
+            return self
+        tensors = [t.detach().requires_grad_() if w and not t.requires_grad else t
+                   for w, t in zip(wanted, self.tensors)]
+        return call_signature(*self.rebuild(tensors))
+
     def rebuild(self, tensors):
         """``(args, kwargs)`` of the call with its tensor leaves replaced by ``tensors``."""
         it = iter(tensors)

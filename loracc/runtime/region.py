@@ -34,11 +34,12 @@ from .cuda_graphs import Replayer, check_lease, share_decisions
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
 # program with those dims symbolic, which replaces the static one and serves every later size its
-# guards admit (memory does not grow with the number of lengths).
+# guards admit (memory does not grow with the number of lengths). Calls that differ only in which
+# inputs need gradients share a program that computes them all (a block's first layer, whose input
+# comes from the frozen embedding, runs its first call eagerly and then the other layers' program).
 STATIC_SIGNATURES = 1
 RECOMPILE_WARNING_AT = 8
-# cuda_graphs="auto" tries graphs for a region's first call signatures only (a block's first layer,
-# whose input needs no gradient, has its own): every graph kept holds its static inputs and outputs,
+# cuda_graphs="auto" tries graphs for a region's first call signatures only: every graph kept holds its static inputs and outputs,
 # so a graph per sequence length of dynamically padded batches would add up to an out-of-memory.
 AUTO_GRAPHED_SIGNATURES = 2
 # Progress (regions compiled, kernels autotuned or found in the cache) is logged at INFO level:
@@ -110,6 +111,7 @@ class Region:
     # symbolic one replaced) is freed, and its id, if reused, names a program not yet checked
     _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
+    _deferred: set = field(default_factory=set)  # keys of calls run eagerly once (``_defer``)
 
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
         """The module's call, compiled where it can be. ``reference``: what ``eager_forward``
@@ -128,7 +130,9 @@ class Region:
         key = (signature.key, tuple(tensor_key(t) for t in state), _autocast_key(state + signature.tensors))
         program = self.programs.get(key)
         if program is None and key not in self.programs:
-            program = self._dynamic_program(key, state + signature.tensors)
+            program = self._covering_program(key, state + signature.tensors)
+            if program is None and self._defer(path, signature, key):
+                return eager_forward(*args, **kwargs)
             if program is None:
                 program = self._compile(module, path, signature, state, key)
             else:
@@ -156,18 +160,49 @@ class Region:
         self._fall_back(self.name, f"{self.mismatch}; the region runs eagerly from now on")
         return False
 
-    def _dynamic_program(self, key, tensors) -> Program | None:
-        """A symbolic program of this region that computes a call with ``key`` and these inputs."""
+    def _covering_program(self, key, tensors) -> Program | None:
+        """A program of this region that computes a call with ``key`` and these inputs: a symbolic
+        one of the call's own kind, else one compiled for the same call with gradients for more of
+        its inputs (a block's first layer, whose input comes from the frozen embedding, runs the
+        program of the layers after it; the gradient it computes for that input is dropped)."""
         generic = _generic_key(key)
         for program in self.dynamic_programs:
             if program.generic_key == generic and program.admits(tensors):
                 return program
+        for k, program in self.programs.items():
+            if program is not None and not program.dynamic and _covers(k, key):
+                return program
+        for program in self.dynamic_programs:
+            if _covers(program.generic_key, generic) and program.admits(tensors):
+                return program
         return None
+
+    def _defer(self, path: str, signature, key) -> bool:
+        """Whether to run this call eagerly, once, instead of compiling it: the first call of a
+        block region's first layer whose floating-point inputs need no gradient (they come from a
+        frozen embedding) while the layers after it will need them. Their program, compiled at the
+        next call, then serves this layer too (``_covering_program``): one compile, not two."""
+        if self.kind != "block" or len(self.modules) < 2 or path != self.modules[0] or key in self._deferred:
+            return False
+        if not any(t.is_floating_point() and not t.requires_grad for t in signature.tensors):
+            return False
+        self._deferred.add(key)
+        return True
 
     def _compile(self, module, path, signature, state, key):
         generic = _generic_key(key)
-        static = [k for k, p in self.programs.items() if p is not None and not p.dynamic and _generic_key(k) == generic]
-        dynamic = len(static) >= STATIC_SIGNATURES or any(p.generic_key == generic for p in self.dynamic_programs)
+        # Static programs of this kind, up to which inputs need gradients; those at other sizes make
+        # this call symbolic, and the symbolic program computes every gradient any of them did.
+        related = [k for k, p in self.programs.items()
+                   if p is not None and not p.dynamic and _same_but_gradients(_generic_key(k), generic)]
+        resized = [k for k in related if _without_gradients(k) != _without_gradients(key)]
+        relatives = [p for p in self.dynamic_programs if _same_but_gradients(p.generic_key, generic)]
+        dynamic = len(resized) >= STATIC_SIGNATURES or bool(relatives)
+        if dynamic:
+            wanted = _gradients_wanted([_generic_key(k) for k in related] + [p.generic_key for p in relatives])
+            signature = signature.needing_gradients(wanted)
+            key = (signature.key, key[1], key[2])
+            generic = _generic_key(key)
         log.info("compiling region %s for %s%s", self.name, _describe_shapes(signature.tensors),
                  " (batch and sequence dims symbolic)" if dynamic else "")
         start = time.perf_counter()
@@ -198,7 +233,7 @@ class Region:
             self.dynamic_programs.append(program)
             # The static programs of the same kind go (their CUDA graphs and buffers with them):
             # their calls are served by this one where its guards admit them, else compile anew.
-            for k in static:
+            for k in related:
                 del self.programs[k]
         if not program.dynamic and _gathers_weights(module):
             _without_graphs(program, "runs from Python: FSDP2 (fully_shard) gathers this layer's weights into new "
@@ -273,6 +308,35 @@ def _generic_key(key: tuple) -> tuple:
     sizeless = tuple((len(leaf[0]),) + leaf[1:] if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple) else leaf
                      for leaf in leaves)
     return (spec, sizeless), state, autocast
+
+
+def _same_but_gradients(a: tuple, b: tuple) -> bool:
+    """Whether two keys (call keys, or generic) differ at most in which tensor arguments need gradients."""
+    return _without_gradients(a) == _without_gradients(b)
+
+
+def _covers(program: tuple, call: tuple) -> bool:
+    """Whether a program of key ``program`` computes a call of key ``call`` (both call keys, or both
+    generic): the same call, with a gradient computed for every tensor argument the call needs one
+    for."""
+    if not _same_but_gradients(program, call):
+        return False
+    return all(p[3] or not c[3] for p, c in zip(program[0][1], call[0][1]) if _is_tensor_leaf(p))
+
+
+def _gradients_wanted(generics: list[tuple]) -> list[bool]:
+    """Per tensor argument (in order), whether any of these generic keys needs its gradient."""
+    flags = [[leaf[3] for leaf in g[0][1] if _is_tensor_leaf(leaf)] for g in generics]
+    return [any(column) for column in zip(*flags)]
+
+
+def _is_tensor_leaf(leaf) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 5 and isinstance(leaf[1], torch.dtype)
+
+
+def _without_gradients(generic: tuple) -> tuple:
+    (spec, leaves), state, autocast = generic
+    return (spec, tuple(leaf[:3] + leaf[4:] if _is_tensor_leaf(leaf) else leaf for leaf in leaves)), state, autocast
 
 
 def _describe_shapes(tensors) -> str:
