@@ -117,12 +117,15 @@ def guards_hold(shape_env, fakes: list, tensors: list) -> bool:
 def failing_guards(shape_env, fakes: list, tensors: list, limit: int = 3) -> list[str]:
     """The guards of ``shape_env`` (see ``guards_hold``) that the sizes of ``tensors`` fail, as text
     with the symbols named by the sizes they stand for (``limit`` at most): why a symbolic program
-    did not admit a call. Guards over anything but the tensors' sizes are not evaluated."""
+    did not admit a call. Guards over anything but the tensors' sizes, strides and storage offsets
+    are not evaluated."""
     import sympy
 
     values = {}
     for fake, real in zip(fakes, tensors):
-        for size, actual in zip(fake.shape, real.shape):
+        pairs = [*zip(fake.shape, real.shape), *zip(fake.stride(), real.stride()),
+                 (fake.storage_offset(), real.storage_offset())]
+        for size, actual in pairs:
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                 values.setdefault(size.node.expr, int(actual))
     failed = []

@@ -463,3 +463,26 @@ def test_a_guard_combining_comparisons_reads_back_and_is_replayed():
         assert bool(symbols.value(renamed)) is holds
         assert symbols.mode.shape_env.guards  # replaying it recorded a guard, as the trace did
     assert trace_cache._expression(sympy.And(sympy.Eq(a, 2), sympy.Eq(b, 3)))["op"] == "And"
+
+
+def test_a_rounded_division_of_sizes_reads_back_with_its_value():
+    """``ceil(length / 32)`` (a block count, recorded as ``CeilToInt(IntTrueDiv(s, 32))``) is kept
+    and rebuilt on a later call's sizes with that call's value."""
+    import math
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    def fake(length):
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+        return FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.empty(3, length), symbolic_context=context)
+
+    traced = fake(70)
+    for rounding in (math.ceil, math.floor):
+        expr = rounding(traced.shape[1] / 32).node.expr
+        tree = json.loads(json.dumps(trace_cache._expression(expr)))
+        for length in (70, 97, 33):
+            later = fake(length)
+            text = json.dumps(tree).replace(f'"{traced.shape[1].node.expr.name}"', f'"{later.shape[1].node.expr.name}"')
+            value = trace_cache._Symbols([later]).value(json.loads(text))
+            assert int(value) == rounding(length / 32), (rounding, length)

@@ -44,7 +44,7 @@ An entry is data, never code: its nodes name what they call, and only what lorac
 can be named: operators of the ``aten``, ``prims`` and ``loracc`` namespaces (less the few that
 touch files: ``FILE_OPS``) and the Python functions torch.fx puts in graphs (``FUNCTIONS``:
 ``operator.getitem``, arithmetic on sizes), and a symbolic entry's sizes are trees of the
-operations of ``SYMBOLIC_OPS`` (sums, products, floor division, comparisons, and/or/not) over symbols and
+operations of ``SYMBOLIC_OPS`` (sums, products, divisions, rounding, comparisons, and/or/not) over symbols and
 integers, never parsed as Python. Nothing is imported to read an entry. An entry naming
 anything else (planted, or from another loracc) is refused with a warning and traced again; a trace
 that calls something else is not cached. The folder is private to the user
@@ -461,6 +461,9 @@ SYMBOLIC_OPS = {
     "StrictGreaterThan": operator.gt, "GreaterThan": operator.ge,
     "Or": lambda *a: functools.reduce(operator.or_, a), "And": lambda *a: functools.reduce(operator.and_, a),
     "Not": torch.sym_not,
+    # true division of sizes rounded back to an integer (block counts: ceil(length / 32))
+    "IntTrueDiv": operator.truediv, "FloatTrueDiv": operator.truediv, "CeilToInt": math.ceil,
+    "FloorToInt": math.floor, "TruncToInt": math.trunc,
 }
 
 

@@ -111,7 +111,7 @@ class Region:
     # symbolic one replaced) is freed, and its id, if reused, names a program not yet checked
     _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
-    _deferred: set = field(default_factory=set)  # keys of calls run eagerly once (``_defer``)
+    _deferred: bool = False  # the first call ran eagerly (``_defer``)
 
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
         """The module's call, compiled where it can be. ``reference``: what ``eager_forward``
@@ -178,15 +178,15 @@ class Region:
         return None
 
     def _defer(self, path: str, signature, key) -> bool:
-        """Whether to run this call eagerly, once, instead of compiling it: the first call of a
-        block region's first layer whose floating-point inputs need no gradient (they come from a
+        """Whether to run this call eagerly instead of compiling it: the region's very first call,
+        from a block's first layer, whose floating-point inputs need no gradient (they come from a
         frozen embedding) while the layers after it will need them. Their program, compiled at the
         next call, then serves this layer too (``_covering_program``): one compile, not two."""
-        if self.kind != "block" or len(self.modules) < 2 or path != self.modules[0] or key in self._deferred:
+        if self.kind != "block" or len(self.modules) < 2 or path != self.modules[0] or self.programs or self._deferred:
             return False
         if not any(t.is_floating_point() and not t.requires_grad for t in signature.tensors):
             return False
-        self._deferred.add(key)
+        self._deferred = True
         return True
 
     def _compile(self, module, path, signature, state, key):
