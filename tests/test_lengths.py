@@ -373,3 +373,30 @@ def test_a_size_the_symbolic_program_does_not_admit_compiles_again_and_says_whic
     assert region.captures == 3, region.recompile_reasons
     reason = region.recompile_reasons[-1]
     assert reason.startswith("the symbolic program's guards do not admit float32[2, 20, 8]") and "=20)" in reason, reason
+
+
+def test_one_symbolic_program_serves_every_layer_whose_parameters_are_views_of_a_flat_buffer():
+    """FusedAdamW keeps the LoRA parameters as views of one flat buffer, at a different offset in
+    each layer: the layers still share one symbolic program at every new length (one recompile,
+    from the first length to the second; a guard on where a parameter lies in its storage would
+    compile a program per layer that meets a new length first), and train as eager does."""
+    model, _ = presets.preset("llama", layers=3)
+    reference = copy.deepcopy(model)
+    loracc.compile(model, backend="eager")
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = loracc.FusedAdamW(parameters, lr=1e-3)
+    reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
+    assert len({p.storage_offset() for p in parameters}) == len(parameters)
+    for length in (12, 17, 23, 9, 30):
+        ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0
+        batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        for m, opt in ((model, optimizer), (reference, reference_optimizer)):
+            m(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    assert len(block.recompile_reasons) == 1 and len(block.dynamic_programs) == 1, block.recompile_reasons
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-5), name

@@ -155,8 +155,12 @@ class CapturedForward:
 
     def admits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether the graphs made from this capture are valid for a call with these tensors (state
-        first): always for a static capture of the same key, by its guards for a symbolic one."""
-        return self.shape_env is None or _compat.guards_hold(self.shape_env, self.fakes, tensors)
+        first): always for a static capture of the same key, by its guards for a symbolic one. The
+        state's guards are not checked: its sizes, dtypes and layouts are in the key, and where each
+        parameter lies in its storage differs from layer to layer (LoRA parameters are views of an
+        optimizer's flat buffer) while the graphs do not depend on it."""
+        n = len(self.param_names)
+        return self.shape_env is None or _compat.guards_hold(self.shape_env, self.fakes[n:], tensors[n:])
 
     def rebuild_output(self, tensors):
         it = iter(tensors)
