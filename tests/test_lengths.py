@@ -400,3 +400,45 @@ def test_one_symbolic_program_serves_every_layer_whose_parameters_are_views_of_a
     assert len(block.recompile_reasons) == 1 and len(block.dynamic_programs) == 1, block.recompile_reasons
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-5), name
+
+
+def _padded_batch(vocab, length, side="right", rows=2, seed=0):
+    """``rows`` rows of ``length`` tokens, the second one shorter by a third, padded on ``side``
+    (mask 0, labels -100 there)."""
+    generator = torch.Generator().manual_seed(seed + length)
+    ids = torch.randint(1, vocab, (rows, length), generator=generator)
+    mask = torch.ones_like(ids)
+    short = length - max(1, length // 3)
+    if side == "right":
+        mask[1, short:] = 0
+    else:
+        mask[1, : length - short] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _layer_lengths(model) -> set[int]:
+    """The sequence lengths the decoder layers' programs were called with (their hidden states)."""
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    return {key[0][1][0][0][1] for key in block.programs}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_varying_padded_lengths_run_at_length_buckets_with_eager_numbers(side):
+    """From the second length on, a padded batch runs padded on the right to its length bucket
+    (17 → 24, 23 → 24, 30 → 32: lengths of a bucket share CUDA graphs); loss and every LoRA
+    gradient are eager PEFT's on the batch as given, right or left padded."""
+    from loracc.frontend.hf_causal_lm import length_bucket
+
+    eager, compiled = _pair(layers=2)
+    lengths = (12, 17, 23, 30, 12)
+    for length in lengths:
+        _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, length, side))
+    assert [length_bucket(n) for n in lengths] == [16, 24, 24, 32, 16]
+    assert _layer_lengths(compiled) == {12, 24, 32}  # the first length as it came, then buckets
+
+
+def test_one_padded_length_is_never_bucketed():
+    eager, compiled = _pair(layers=2)
+    for seed in range(3):
+        _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, 17, seed=seed))
+    assert _layer_lengths(compiled) == {17}
