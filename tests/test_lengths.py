@@ -377,9 +377,9 @@ def test_a_size_the_symbolic_program_does_not_admit_compiles_again_and_says_whic
 
 def test_one_symbolic_program_serves_every_layer_whose_parameters_are_views_of_a_flat_buffer():
     """FusedAdamW keeps the LoRA parameters as views of one flat buffer, at a different offset in
-    each layer: the layers still share one symbolic program at every new length (one recompile,
-    from the first length to the second; a guard on where a parameter lies in its storage would
-    compile a program per layer that meets a new length first), and train as eager does."""
+    each layer: the layers still share one symbolic program at every new length (compiled at the
+    first, padded, batch; a guard on where a parameter lies in its storage would compile a program
+    per layer that meets a new length first), and train as eager does."""
     model, _ = presets.preset("llama", layers=3)
     reference = copy.deepcopy(model)
     loracc.compile(model, backend="eager")
@@ -397,7 +397,7 @@ def test_one_symbolic_program_serves_every_layer_whose_parameters_are_views_of_a
             opt.step()
             opt.zero_grad(set_to_none=True)
     (block,) = [r for r in model._loracc.regions if r.kind == "block"]
-    assert len(block.recompile_reasons) == 1 and len(block.dynamic_programs) == 1, block.recompile_reasons
+    assert not block.recompile_reasons and len(block.dynamic_programs) == 1, block.recompile_reasons
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-5), name
 
@@ -442,3 +442,46 @@ def test_one_padded_length_is_never_bucketed():
     for seed in range(3):
         _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, 17, seed=seed))
     assert _layer_lengths(compiled) == {17}
+
+
+def _block(model):
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    return block
+
+
+def test_a_padded_first_batch_compiles_symbolic_from_the_first_call():
+    """A first batch with padding (a dynamic-padding collator: lengths will vary) compiles the
+    symbolic programs at once, one compile for every later length; a first batch without padding
+    compiles static first."""
+    eager, compiled = _pair(layers=2)
+    for length in (12, 17, 23):
+        _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, length))
+    block = _block(compiled)
+    assert block.captures == 1 and len(block.dynamic_programs) == 1 and not block.recompile_reasons
+    assert all(p.dynamic for p in block.compiled_programs)
+
+    eager, compiled = _pair(layers=2)
+    full = _padded_batch(eager.config.vocab_size, 12)
+    full["attention_mask"] = torch.ones_like(full["attention_mask"])
+    full["labels"] = full["input_ids"]
+    _assert_same_training(eager, compiled, full)
+    assert not any(p.dynamic for p in _block(compiled).compiled_programs)
+
+
+def test_a_padded_length_that_repeats_gets_a_static_program_too():
+    """Data padded to one length (``padding="max_length"``) runs the symbolic program first and a
+    static one once the length has come ``PROMOTE_AFTER`` steps in a row (its graphs need no copies);
+    another length later still runs the symbolic program; the numbers stay eager's throughout."""
+    from loracc.runtime.region import PROMOTE_AFTER
+
+    eager, compiled = _pair(layers=2)
+    vocab = eager.config.vocab_size
+    for step in range(PROMOTE_AFTER + 1):
+        _assert_same_training(eager, compiled, _padded_batch(vocab, 20, seed=step))
+    block = _block(compiled)
+    static = [p for p in block.compiled_programs if not p.dynamic]
+    assert len(static) == 1 and len(block.dynamic_programs) == 1
+    assert "steps in a row" in block.recompile_reasons[-1]
+    assert all(p is static[0] for k, p in block.programs.items() if k[0][1][0][0][1] == 20)
+    _assert_same_training(eager, compiled, _padded_batch(vocab, 13))
+    assert block.captures == 2  # 13 ran the symbolic program

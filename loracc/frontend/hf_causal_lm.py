@@ -318,16 +318,21 @@ class HeadForward(CompiledForward):
     """A causal LM's ``forward`` in training with labels: the decoder (its blocks compiled), then the
     head region; every other call (inference, extra outputs asked for) runs the eager forward.
 
-    Once a padded batch (an ``attention_mask``, no ``position_ids``) comes at a length other than
-    the first call's, its rows are padded on the right to ``length_bucket`` (mask 0, labels -100,
-    as a collator's ``pad_to_multiple_of`` does): the loss and every gradient are those of the
-    unpadded batch, and lengths of one bucket share the symbolic programs' CUDA graphs, so a new
-    length costs no graph capture. A run of one length is never padded."""
+    Padded batches (an ``attention_mask``, no ``position_ids``) come from collators that pad to
+    each batch's longest row, so lengths vary: when the first batch has padding, the model's regions
+    compile symbolic programs from their first call (``Region.symbolic_first``: one compile for
+    every length; a length that then comes several steps in a row gets a static program too). Once
+    a batch comes at a length other than the first call's, its rows are padded on the right to
+    ``length_bucket`` (mask 0, labels -100, as a collator's ``pad_to_multiple_of`` does): the loss
+    and every gradient are those of the batch as given, and lengths of one bucket share the
+    symbolic programs' CUDA graphs, so a new length costs no graph capture. A run of one length is
+    never padded."""
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
 
-    def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module):
+    def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module, regions: list[Region] | None = None):
         self.region, self.lm, self.decoder = region, lm, decoder
+        self.regions = regions if regions is not None else [region]  # the model's: see ``_bucketed``
         self.transform, _ = head_recipe(lm)
         # The final norm joins the head region where the decoder reads it once (its last call);
         # one that calls it more often (NanoChat's norm also runs before the layers) keeps it.
@@ -399,6 +404,9 @@ class HeadForward(CompiledForward):
         length = attention_mask.shape[-1]
         if self.first_length is None:
             self.first_length = length
+            if not bool(attention_mask.all()):
+                for region in self.regions:
+                    region.symbolic_first = True
         target = length_bucket(length)
         if length == self.first_length or target == length or labels.shape[-1] != length:
             return input_ids, attention_mask, inputs_embeds, labels

@@ -104,7 +104,7 @@ def install(model: nn.Module, state: CompiledState) -> None:
                         modules=["norm", "lm_head", "loss"], backend=state.backend,
                         memory_budget=state.memory_budget, reserved_bytes=reserved)
         state.regions.append(region)
-        patch(state, lm, HeadForward(region, lm, base))
+        patch(state, lm, HeadForward(region, lm, base, state.regions))
     if not state.regions:
         region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
                         memory_budget=state.memory_budget, reserved_bytes=reserved)

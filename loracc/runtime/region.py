@@ -37,7 +37,11 @@ from .cuda_graphs import Replayer, check_lease, share_decisions
 # guards admit (memory does not grow with the number of lengths). Calls that differ only in which
 # inputs need gradients share a program that computes them all (a block's first layer, whose input
 # comes from the frozen embedding, runs its first call eagerly and then the other layers' program).
+# A region told that its data is padded to varying lengths (``symbolic_first``: a causal LM's
+# first batch has padding) compiles symbolic from its first call, and a static program for a size
+# only once that size has come ``PROMOTE_AFTER`` steps in a row (data padded to one fixed length).
 STATIC_SIGNATURES = 1
+PROMOTE_AFTER = 4
 RECOMPILE_WARNING_AT = 8
 # cuda_graphs="auto" tries graphs for a region's first call signatures only: every graph kept holds its static inputs and outputs,
 # so a graph per sequence length of dynamically padded batches would add up to an out-of-memory.
@@ -112,6 +116,9 @@ class Region:
     _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
     _deferred: bool = False  # the first call ran eagerly (``_defer``)
+    symbolic_first: bool = False  # see PROMOTE_AFTER
+    _streak: tuple = (None, 0)  # (sizes of the last calls run by a symbolic program, how many in a row)
+    _promoted: bool = False
 
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
         """The module's call, compiled where it can be. ``reference``: what ``eager_forward``
@@ -137,6 +144,8 @@ class Region:
                 program = self._compile(module, path, signature, state, key)
             else:
                 self.programs[key] = program
+        if program is not None and program.dynamic and self.symbolic_first and not self._promoted:
+            program = self._promote(module, path, signature, state, key) or program
         if program is None:
             return eager_forward(*args, **kwargs)
         if self.verify and id(program) not in self._verified and not self._verify(program, module, path,
@@ -189,7 +198,22 @@ class Region:
         self._deferred = True
         return True
 
-    def _compile(self, module, path, signature, state, key):
+    def _promote(self, module, path, signature, state, key) -> Program | None:
+        """A static program for this call's sizes, compiled once they have come ``PROMOTE_AFTER``
+        steps in a row under a symbolic first program; None until then."""
+        sizes = _without_gradients(key)
+        count = self._streak[1] + 1 if self._streak[0] == sizes else 1
+        self._streak = (sizes, count)
+        if count < PROMOTE_AFTER * self.repeats:
+            return None
+        self._promoted = True
+        program = self._compile(module, path, signature, state, key, promote=True)
+        if program is not None:  # the calls of these sizes that the symbolic program served go to it
+            for k in [k for k, p in self.programs.items() if p is not None and p.dynamic and _without_gradients(k) == sizes]:
+                del self.programs[k]
+        return program
+
+    def _compile(self, module, path, signature, state, key, promote: bool = False):
         generic = _generic_key(key)
         # Static programs of this kind, up to which inputs need gradients; those at other sizes make
         # this call symbolic, and the symbolic program computes every gradient any of them did.
@@ -197,8 +221,8 @@ class Region:
                    if p is not None and not p.dynamic and _same_but_gradients(_generic_key(k), generic)]
         resized = [k for k in related if _without_gradients(k) != _without_gradients(key)]
         relatives = [p for p in self.dynamic_programs if _same_but_gradients(p.generic_key, generic)]
-        dynamic = len(resized) >= STATIC_SIGNATURES or bool(relatives)
-        if dynamic:
+        dynamic = not promote and (self.symbolic_first or len(resized) >= STATIC_SIGNATURES or bool(relatives))
+        if dynamic or promote:
             wanted = _gradients_wanted([_generic_key(k) for k in related] + [p.generic_key for p in relatives])
             signature = signature.needing_gradients(wanted)
             key = (signature.key, key[1], key[2])
@@ -219,7 +243,10 @@ class Region:
         self.compile_seconds += time.perf_counter() - start
         log.info("compiled region %s in %.2f s (%s LoRA layers fused)", self.name, time.perf_counter() - start,
                  program.reports.get("lora_match", {}).get("matched", 0))
-        if self.programs:
+        if promote:
+            self.recompile_reasons.append(f"{_describe_shapes(signature.tensors)} came {PROMOTE_AFTER} steps in a row: "
+                                          "a static program for these sizes beside the symbolic one")
+        elif self.programs:
             refused = [p for p in self.dynamic_programs if p.generic_key == generic]
             if refused:  # a symbolic program of this kind exists: its guards did not admit these sizes
                 failed = _compat.failing_guards(refused[-1].captured.shape_env, refused[-1].captured.fakes,
