@@ -204,7 +204,8 @@ def test_transformer_blocks_run_compiled(trained):
         ours = [r for r, cls, _ in regions if cls == block]
         assert ours, f"no region of {block}: {[r.name for r in report.regions]}"
         for r in ours:
-            assert r.calls >= 3 * r.modules and r.lora_layers_matched > 0 and not r.fallbacks, r
+            # every call but a block's first layer's very first (eager: Region._defer)
+            assert r.calls >= 3 * r.modules - 1 and r.lora_layers_matched > 0 and not r.fallbacks, r
     if trained.name == "sdxl_unet":
         # The frozen ResNet blocks and samplers between them are block regions as well.
         others = {cls for r, cls, _ in regions if r.calls > 0}
@@ -270,8 +271,10 @@ def test_attention_processor_with_data_dependent_control_flow_runs_eagerly():
     for name, p in lora_params(eager).items():
         assert rel_err(compiled.get_parameter(name).grad, p.grad) <= 1e-4, name
     messages = [str(w.message) for w in caught]
-    for block in ("down_blocks.1.attentions.0", "mid_block.attentions.0", "up_blocks.0.attentions.0"):
-        assert any(f"loracc: {block} runs eagerly" in m for m in messages), (block, messages)
+    # up_blocks.0's attentions are one region of 3: its first layer's first call runs eagerly
+    # silently (Region._defer), so the warning names the layer whose trace failed
+    for block in ("down_blocks.1.attentions.0", "mid_block.attentions.0", "up_blocks.0.attentions."):
+        assert any(f"loracc: {block}" in m and "runs eagerly" in m for m in messages), (block, messages)
     report = loracc.explain(compiled)
     assert {f.module for f in report.fallbacks} >= {"down_blocks.1.attentions.0", "mid_block.attentions.0"}
     assert any("ResnetBlock2D" in r.name and r.calls > 0 for r in report.regions)

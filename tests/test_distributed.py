@@ -337,6 +337,10 @@ def fsdp(rank, world, out, *, order="before", reshard_after_forward=True, mixed=
 
     def run(model):
         opt = torch.optim.AdamW(list(trainable(model).values()), lr=LR)
+        # A call without an optimizer step first: loracc runs its first layer's very first call
+        # eagerly (Region._defer); the steps compared then run the compiled programs only.
+        model(**rows_of(batches[0], 2 * rank, 2)).loss.backward()
+        opt.zero_grad(set_to_none=True)
         losses, first = [], None
         for step in range(STEPS):
             loss = model(**rows_of(batches[step], 2 * rank, 2)).loss

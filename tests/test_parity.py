@@ -45,12 +45,14 @@ def _assert_grads_match(eager, compiled, tol=1e-4):
 @pytest.mark.parametrize("family", presets.FAMILIES)
 def test_loss_and_gradients_match_peft(family):
     eager, compiled, batch = _pair(family, layers=3)
+    _step(compiled, batch)  # a first step: the first layer's very first call runs eagerly (Region._defer)
+    compiled.zero_grad(set_to_none=True)
     loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
     assert rel_err(loss_c, loss_e) <= 1e-5
     _assert_grads_match(eager, compiled)
     regions = loracc.explain(compiled).regions
-    assert any(r.kind == "block" and r.calls == 3 for r in regions)
-    assert any(r.kind == "head" and r.calls == 1 for r in regions)
+    assert any(r.kind == "block" and r.calls == 2 * 3 - 1 for r in regions)
+    assert any(r.kind == "head" and r.calls == 2 for r in regions)
 
 
 @pytest.mark.parametrize(

@@ -178,7 +178,7 @@ def test_a_call_whose_attentions_transformers_records_runs_those_layers_eagerly(
     warning, and return eager's attentions, loss and gradients; the next call without it compiles."""
     model, batch = _llava_eager_attention()
     compiled = loracc.compile(copy.deepcopy(model))
-    for kwargs in ({}, {"output_attentions": True}, {}):
+    for i, kwargs in enumerate(({}, {"output_attentions": True}, {})):
         calls = sum(r.calls for r in compiled._loracc.regions)
         want = model(**batch, **kwargs)
         if kwargs:
@@ -189,7 +189,8 @@ def test_a_call_whose_attentions_transformers_records_runs_those_layers_eagerly(
             assert all(rel_err(g, w) <= 1e-5 for g, w in zip(got.attentions, want.attentions))
         else:
             got = compiled(**batch)
-            assert sum(r.calls for r in compiled._loracc.regions) == calls + 4  # 2 vision + 2 language layers
+            # 2 vision + 2 language layers; in the first call each tower's first layer ran eagerly (Region._defer)
+            assert sum(r.calls for r in compiled._loracc.regions) == calls + (2 if i == 0 else 4)
         assert rel_err(got.loss, want.loss) <= 1e-5
         want.loss.backward(), got.loss.backward()
         expected, actual = _grads(model), _grads(compiled)
