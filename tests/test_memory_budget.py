@@ -214,3 +214,14 @@ def test_an_unknown_optimizer_state_is_refused_naming_the_choices(value):
     with pytest.raises(loracc.LoraccError, match=r"optimizer_state must be one of \['fp32', 'int8'\]"):
         loracc.compile(model, optimizer_state=value)
     assert getattr(model, "_loracc", None) is None
+
+
+def test_under_a_budget_every_layer_call_runs_compiled_from_the_first():
+    """Without a budget a block's first layer runs its very first call eagerly (``Region._defer``);
+    under one it never does: an eager layer saves what eager saves, which the budget did not plan."""
+    for budget, eager_calls in ((None, 1), (2**30, 0)):
+        model, batch = presets.preset("llama", layers=2)
+        loracc.compile(model, memory_budget=budget, backend="eager")
+        model(**batch).loss.backward()
+        (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+        assert block.calls == 2 - eager_calls, (budget, block.calls)

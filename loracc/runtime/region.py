@@ -190,8 +190,11 @@ class Region:
         """Whether to run this call eagerly instead of compiling it: the region's very first call,
         from a block's first layer, whose floating-point inputs need no gradient (they come from a
         frozen embedding) while the layers after it will need them. Their program, compiled at the
-        next call, then serves this layer too (``_covering_program``): one compile, not two."""
+        next call, then serves this layer too (``_covering_program``): one compile, not two. Never
+        under a memory budget: an eager layer saves what eager saves, which the budget did not plan."""
         if self.kind != "block" or len(self.modules) < 2 or path != self.modules[0] or self.programs or self._deferred:
+            return False
+        if self.memory_budget is not None:
             return False
         if not any(t.is_floating_point() and not t.requires_grad for t in signature.tensors):
             return False
