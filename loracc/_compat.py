@@ -26,14 +26,9 @@ def trace(fn, example_inputs, decompositions: dict | None = None):
     ``lazy_graph_module``. ``decompositions``: ATen op → a function of the op's arguments traced in
     its place.
     """
-    import torch._dynamo.config
-
     fn = _with_traced_linear(fn, symbolic=any(is_symbolic(t) for t in example_inputs))
     traced = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=False)
-    # No fake-tensor dispatch cache: a trace runs each op of a layer about once, so its entries
-    # cost more to make than they save (CPU: a symbolic layer trace 25% faster without them).
-    with _without_saved_tensors_hooks(), _preserve_meta(), _use_lazy_graph_module(True), \
-            torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+    with _without_saved_tensors_hooks(), _preserve_meta(), _use_lazy_graph_module(True):
         return traced(*example_inputs)
 
 
@@ -85,7 +80,6 @@ def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
 
     shape_env = ShapeEnv(duck_shape=True)
     mode = FakeTensorMode(shape_env=shape_env)
-    mode.cache_enabled = False  # as in ``trace``
     free = {size for t, dims in zip(tensors, dynamic) for size, d in zip(t.shape, dims) if d}
 
     def context(t, dims):
