@@ -8,7 +8,9 @@ A workload's methods are those of the latest run folder
 (``benchmarks/results/<date>-<device>-<commit>/``) that measured it on a GPU and of the latest that
 measured eager PEFT on it; each row comes from the latest run that measured its method on that
 workload and shape, its ratio to eager PEFT from that same run (fixed shapes and varying lengths
-in a table each); every run used is listed with its device, date, commit and versions, and linked (its commands are in its folder). In README.md only the text between ``<!-- results-table -->`` and
+in a table each); every run used is listed with its device, date, commit and versions, and linked (its commands are in its folder).
+A run whose provenance has ``reverted`` (its commit's change was undone; the why) is kept in its
+folder for the decisions that cite it, never shown here. In README.md only the text between ``<!-- results-table -->`` and
 ``<!-- /results-table -->`` is replaced; without those markers nothing is written.
 """
 from __future__ import annotations
@@ -45,6 +47,8 @@ def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = No
     for f in folders:
         for order, (run, r) in enumerate(step_records(f)):
             if r.get("suite", "main") != suite or (folder is None and str(run.get("device", "")).startswith("CPU")):
+                continue
+            if folder is None and run.get("reverted"):
                 continue
             # A fixed-shape row per shape; a varying-length workload's rows whatever its data's clip.
             shape = (r.get("batch"), r.get("seq")) if suite == "main" else ()

@@ -542,9 +542,9 @@ def test_every_subcommand_has_a_main_and_no_module_imports_in_a_circle():
     assert "sys.path.insert" not in "".join(p.read_text() for p in (REPO / "benchmarks").glob("*.py"))
 
 
-def _step_run(folder: Path, date: str, device: str, records: list[dict], name: str = "step.json") -> None:
+def _step_run(folder: Path, date: str, device: str, records: list[dict], name: str = "step.json", **extra) -> None:
     run = dict(date=date, device=device, command="python -m benchmarks step", git_commit="abcdef0123",
-               versions={"torch": "2.11.0", "liger-kernel": None})
+               versions={"torch": "2.11.0", "liger-kernel": None}, **extra)
     harness.write(folder / name, run, records)
 
 
@@ -593,13 +593,16 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     # A later run of one method alone: its row replaces that method's, the others stay with their run.
     _step_run(results / "2026-01-02-h100-bbbbbbb", "2026-01-02T10:00:00+00:00", "GPU X",
               [_record("loracc-8gb", [1.0], tokens=800)])
-    # A later CPU run (a smoke test) is not the README's latest result.
+    # A later CPU run (a smoke test) is not the README's latest result, nor is a run of a reverted commit.
     _step_run(results / "2026-01-05-cpu-ddddddd", "2026-01-05T10:00:00+00:00", "CPU (x, 2 cores)",
               [_record("loracc", [1.0], tokens=5.0)])
+    _step_run(results / "2026-01-06-h100-eeeeeee", "2026-01-06T10:00:00+00:00", "GPU X",
+              [_record("loracc", [1.0], tokens=7.0)], reverted="its change was undone")
     table = readme_table.table_text(results)
     assert "- [2026-01-01-h100-aaaaaaa](" in table and "GPU X, 2026-01-01, commit abcdef0; torch 2.11.0\n" in table
     assert "| qwen2-0.5b 8×1024 | loracc | 2,500 | 2.50× | 3.00 | 1.0 | 2026-01-01-h100-aaaaaaa |" in table
     assert "| qwen2-0.5b 8×1024 | peft-liger | oom |" in table and "| 5 |" not in table and "cpu" not in table
+    assert "eeeeeee" not in table and "| 7 |" not in table
     assert "| qwen2-0.5b 8×1024 | loracc-8gb | 800 | — | 4.66 | 1.0 | 2026-01-02-h100-bbbbbbb |" in table
     assert "| qwen2-0.5b-varlen (lengths ≤ 4096) | loracc | 900 | — | 12.0 | 1.00 | 2026-01-03-h100-ccccccc |" in table
     readme = "# x\n\nbefore\n<!-- results-table -->\nold table\n<!-- /results-table -->\nafter\n"
