@@ -466,8 +466,8 @@ def _views(out, t) -> bool:
 
 
 def share_decisions(first, second) -> None:
-    """Two programs of one region (a block's first layer, whose input needs no gradient, and its
-    other layers) run the same kernels at the same shapes: the first of a stage to decide decides
+    """Two programs of one region (under a memory budget, a block's first layer, whose input needs no
+    gradient, and its other layers) run the same kernels at the same shapes: the first of a stage to decide decides
     for both. Otherwise the program called once a step would measure a step later than the other
     and capture its graph after theirs: a forward graph captured after the others lends outputs that
     their replays could overwrite, so every layer's graphs would be captured again

@@ -43,8 +43,9 @@ from .cuda_graphs import Replayer, check_lease, share_decisions
 STATIC_SIGNATURES = 1
 PROMOTE_AFTER = 4
 RECOMPILE_WARNING_AT = 8
-# cuda_graphs="auto" tries graphs for a region's first call signatures only: every graph kept holds its static inputs and outputs,
-# so a graph per sequence length of dynamically padded batches would add up to an out-of-memory.
+# cuda_graphs="auto" tries graphs for a region's first call signatures only: every graph kept holds
+# its static inputs and outputs, so a graph per sequence length of dynamically padded batches would
+# add up to an out-of-memory.
 AUTO_GRAPHED_SIGNATURES = 2
 # Progress (regions compiled, kernels autotuned or found in the cache) is logged at INFO level:
 # quiet by default; logging.basicConfig(level=logging.INFO) or loracc.verbose() shows it.
