@@ -435,6 +435,8 @@ def test_varying_padded_lengths_run_at_length_buckets_with_eager_numbers(side):
         _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, length, side))
     assert [length_bucket(n) for n in lengths] == [16, 24, 24, 32, 16]
     assert _layer_lengths(compiled) == {12, 24, 32}  # the first length as it came, then buckets
+    explained = str(loracc.explain(compiled))
+    assert "run padded on the right to length buckets" in explained and "symbolic from the first call" in explained
 
 
 def test_one_padded_length_is_never_bucketed():
@@ -459,6 +461,7 @@ def test_a_padded_first_batch_compiles_symbolic_from_the_first_call():
     block = _block(compiled)
     assert block.captures == 1 and len(block.dynamic_programs) == 1 and not block.recompile_reasons
     assert all(p.dynamic for p in block.compiled_programs)
+    assert "layers.0's first call ran eagerly" in str(loracc.explain(compiled))
 
     eager, compiled = _pair(layers=2)
     full = _padded_batch(eager.config.vocab_size, 12)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..capture.trace import RUN_HOOKS
 from ..ir import cross_entropy
-from ..runtime.region import Region
+from ..runtime.region import PROMOTE_AFTER, Region
 from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
 
@@ -340,6 +340,7 @@ class HeadForward(CompiledForward):
         self.head = _Head(decoder.norm if self.defers_norm else nn.Identity(), lm.lm_head, lm.loss_function,
                           lm.config.vocab_size, _fusable_loss(lm), self.transform)
         self.first_length: int | None = None  # of the first padded batch compiled (``_bucketed``)
+        self.bucketing = False  # a batch was padded to its length bucket
 
     @property
     def __signature__(self):
@@ -407,10 +408,16 @@ class HeadForward(CompiledForward):
             if not bool(attention_mask.all()):
                 for region in self.regions:
                     region.symbolic_first = True
+                    region.notes.append(f"the first batch was padded: symbolic from the first call (lengths vary); "
+                                        f"a size that comes {PROMOTE_AFTER} steps in a row also gets a static program")
         target = length_bucket(length)
         if length == self.first_length or target == length or labels.shape[-1] != length:
             return input_ids, attention_mask, inputs_embeds, labels
         extra = target - length
+        if not self.bucketing:
+            self.bucketing = True
+            self.region.notes.append(f"padded batches of lengths other than the first's ({self.first_length}) run "
+                                     "padded on the right to length buckets (frontend.hf_causal_lm.length_bucket)")
         pad = torch.nn.functional.pad
         if input_ids is not None:
             input_ids = pad(input_ids, (0, extra), value=0)

@@ -120,6 +120,7 @@ class Region:
     symbolic_first: bool = False  # see PROMOTE_AFTER
     _streak: tuple = (None, 0)  # (sizes of the last calls run by a symbolic program, how many in a row)
     _promoted: bool = False
+    notes: list[str] = field(default_factory=list)  # how calls were served, for ``explain``
 
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
         """The module's call, compiled where it can be. ``reference``: what ``eager_forward``
@@ -200,6 +201,8 @@ class Region:
         if not any(t.is_floating_point() and not t.requires_grad for t in signature.tensors):
             return False
         self._deferred = True
+        self.notes.append(f"{path}'s first call ran eagerly; its later calls run the program compiled for the "
+                          "layers after it, whose input gradient it computes and drops")
         return True
 
     def _promote(self, module, path, signature, state, key) -> Program | None:

@@ -33,6 +33,7 @@ class RegionReport:
     cuda_graphs: list[str] = field(default_factory=list)  # per graph replayed as a CUDA graph or not, and why
     traces: list[str] = field(default_factory=list)  # per call signature: traced, or read from the trace cache
     verified: list[str] = field(default_factory=list)  # verify mode: per program checked, the result
+    notes: list[str] = field(default_factory=list)  # how its calls were served beyond one program per kind
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Report:
                 lines.append(f"      loss: {r.loss}")
             for trace in r.traces:
                 lines.append(f"      {trace}")
+            for note in r.notes:
+                lines.append(f"      {note}")
             for result in r.verified:
                 lines.append(f"      {result}")
             for decision in r.cuda_graphs:
@@ -134,6 +137,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             cuda_graphs=_graph_decisions(region),
             traces=_traces(region),
             verified=[v.describe() for v in region.verifications],
+            notes=list(region.notes),
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
