@@ -388,10 +388,7 @@ def test_one_symbolic_program_serves_every_layer_whose_parameters_are_views_of_a
     reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
     assert len({p.storage_offset() for p in parameters}) == len(parameters)
     for length in (12, 17, 23, 9, 30):
-        ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(length))
-        mask = torch.ones_like(ids)
-        mask[1, -3:] = 0
-        batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        batch = _padded_batch(model.config.vocab_size, length)
         for m, opt in ((model, optimizer), (reference, reference_optimizer)):
             m(**batch).loss.backward()
             opt.step()

@@ -330,9 +330,9 @@ class HeadForward(CompiledForward):
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
 
-    def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module, regions: list[Region] | None = None):
+    def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module, regions: list[Region]):
         self.region, self.lm, self.decoder = region, lm, decoder
-        self.regions = regions if regions is not None else [region]  # the model's: see ``_bucketed``
+        self.regions = regions  # the model's (its head region among them): see ``_bucketed``
         self.transform, _ = head_recipe(lm)
         # The final norm joins the head region where the decoder reads it once (its last call);
         # one that calls it more often (NanoChat's norm also runs before the layers) keeps it.

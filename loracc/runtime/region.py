@@ -339,8 +339,7 @@ def _generic_key(key: tuple) -> tuple:
     """A call key with the sizes of its arguments' tensors left out (ranks kept): the calls a
     symbolic program may serve, its guards permitting."""
     (spec, leaves), state, autocast = key
-    sizeless = tuple((len(leaf[0]),) + leaf[1:] if isinstance(leaf, tuple) and leaf and isinstance(leaf[0], tuple) else leaf
-                     for leaf in leaves)
+    sizeless = tuple((len(leaf[0]),) + leaf[1:] if _is_tensor_leaf(leaf) else leaf for leaf in leaves)
     return (spec, sizeless), state, autocast
 
 
@@ -365,6 +364,7 @@ def _gradients_wanted(generics: list[tuple]) -> list[bool]:
 
 
 def _is_tensor_leaf(leaf) -> bool:
+    """Whether a call key's leaf describes a tensor (``capture.trace.tensor_key``; sizes or ranks)."""
     return isinstance(leaf, tuple) and len(leaf) == 5 and isinstance(leaf[1], torch.dtype)
 
 
