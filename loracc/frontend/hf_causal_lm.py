@@ -23,6 +23,7 @@ from torch import nn
 from ..capture.trace import RUN_HOOKS
 from ..ir import cross_entropy
 from ..runtime.region import PROMOTE_AFTER, Region
+from .packing import PACKABLE, length_bucket, pack
 from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
 
@@ -306,14 +307,6 @@ def _fusable_loss(lm: nn.Module) -> bool:
     )
 
 
-def length_bucket(length: int) -> int:
-    """The length a padded batch of ``length`` tokens a row is padded to once lengths vary: the next
-    multiple of an eighth of the power of two at or below it (at least 8), so at most 12.5% more
-    tokens and eight lengths per octave."""
-    step = max(8, 1 << max(length.bit_length() - 4, 0))
-    return -(-length // step) * step
-
-
 class HeadForward(CompiledForward):
     """A causal LM's ``forward`` in training with labels: the decoder (its blocks compiled), then the
     head region; every other call (inference, extra outputs asked for) runs the eager forward.
@@ -326,7 +319,12 @@ class HeadForward(CompiledForward):
     ``length_bucket`` (mask 0, labels -100, as a collator's ``pad_to_multiple_of`` does): the loss
     and every gradient are those of the batch as given, and lengths of one bucket share the
     symbolic programs' CUDA graphs, so a new length costs no graph capture. A run of one length is
-    never padded."""
+    never padded.
+
+    A right-padded batch of a family in ``packing.PACKABLE`` whose loss is fused (no logits
+    returned) runs packed instead (``packing.pack``): its real tokens end to end in fewer rows of
+    the longest row's length bucket, with position ids, so no pad token is computed; the loss and
+    every gradient are still the padded batch's."""
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
 
@@ -341,6 +339,8 @@ class HeadForward(CompiledForward):
                           lm.config.vocab_size, _fusable_loss(lm), self.transform)
         self.first_length: int | None = None  # of the first padded batch compiled (``_bucketed``)
         self.bucketing = False  # a batch was padded to its length bucket
+        self.packable: bool | None = None  # the model's family is in packing.PACKABLE (None: not looked up yet)
+        self.packing = False  # a padded batch ran packed
 
     @property
     def __signature__(self):
@@ -378,24 +378,70 @@ class HeadForward(CompiledForward):
         # repeats its layers keeps its config's); any other runs without one.
         use_cache = call.get("use_cache") if isinstance(decoder.__dict__.get("forward"), _NoCacheInTraining) else False
         length = labels.shape[-1]
-        input_ids, attention_mask, inputs_embeds, labels = self._bucketed(
-            call.get("input_ids"), call.get("attention_mask"), call.get("position_ids"), call.get("inputs_embeds"), labels)
+        head = self.head
+        head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
+        packed = self._packed(call, labels)
+        if packed is not None:
+            # The packed sequences are kept apart by transformers' mask only without a cache.
+            input_ids, attention_mask, inputs_embeds, labels = packed.input_ids, None, packed.inputs_embeds, packed.labels
+            position_ids, use_cache = packed.position_ids, False
+        else:
+            input_ids, attention_mask, inputs_embeds, labels = self._bucketed(
+                call.get("input_ids"), call.get("attention_mask"), call.get("position_ids"), call.get("inputs_embeds"), labels)
+            position_ids = call.get("position_ids")
         with _deferred(decoder.norm) if self.defers_norm else contextlib.nullcontext():
             outputs = decoder(
                 input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=call.get("position_ids"), inputs_embeds=inputs_embeds, use_cache=use_cache,
+                position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
             )
         items = call.get("num_items_in_batch")
         if items is not None and not isinstance(items, torch.Tensor):
             items = torch.tensor(items, device=labels.device)
-        head = self.head
-        head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
         head_kwargs = {"num_items_in_batch": items} if items is not None else {}
         loss, logits = self.region.run(head, "norm+lm_head+loss", head.forward, (outputs.last_hidden_state, labels),
                                        {**head_kwargs, **logit_values}, reference=head.reference)
         if logits is not None and logits.shape[-2] != length:
             logits = logits[..., :length, :]
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _packed(self, call: dict, labels):
+        """The call's padded batch packed into fewer rows (``packing.pack``), or None: a model family
+        not in ``packing.PACKABLE``, a head that returns logits (they would be the packed rows'),
+        position ids or a 4-D mask given, or a batch ``pack`` leaves as it is."""
+        mask = call.get("attention_mask")
+        if (
+            self.packable is False or not self.head.fused or mask is None or mask.dim() != 2
+            or call.get("position_ids") is not None or self._fp16(labels.device)
+        ):
+            return None
+        if self.packable is None:
+            self.packable = getattr(self.lm.config, "model_type", None) in PACKABLE
+            if not self.packable:
+                return None
+        packed = pack(call.get("input_ids"), mask, call.get("inputs_embeds"), labels)
+        if packed is None:
+            return None
+        if self.first_length is None:
+            self.first_length = mask.shape[-1]
+            self._sizes_vary()
+        if not self.packing:
+            self.packing = True
+            self.region.notes.append(
+                "padded batches run packed: each row's real tokens end to end in rows of the longest's length "
+                "bucket, attending only within their own sequence (frontend.packing)")
+        return packed
+
+    def _sizes_vary(self) -> None:
+        """The first batch was padded: every region compiles symbolic programs from its first call."""
+        for region in self.regions:
+            region.symbolic_first = True
+            region.notes.append(f"the first batch was padded: symbolic from the first call (lengths vary); "
+                                f"a size that comes {PROMOTE_AFTER} steps in a row also gets a static program")
+
+    def _fp16(self, device: torch.device) -> bool:
+        """Whether the head computes in fp16 (where it keeps the eager path and returns logits)."""
+        on = torch.is_autocast_enabled(device.type)
+        return (torch.get_autocast_dtype(device.type) if on else self.lm.lm_head.weight.dtype) == torch.float16
 
     def _bucketed(self, input_ids, attention_mask, position_ids, inputs_embeds, labels):
         """The batch padded on the right to ``length_bucket`` (see the class), or as given: a batch
@@ -406,10 +452,7 @@ class HeadForward(CompiledForward):
         if self.first_length is None:
             self.first_length = length
             if not bool(attention_mask.all()):
-                for region in self.regions:
-                    region.symbolic_first = True
-                    region.notes.append(f"the first batch was padded: symbolic from the first call (lengths vary); "
-                                        f"a size that comes {PROMOTE_AFTER} steps in a row also gets a static program")
+                self._sizes_vary()
         target = length_bucket(length)
         if length == self.first_length or target == length or labels.shape[-1] != length:
             return input_ids, attention_mask, inputs_embeds, labels

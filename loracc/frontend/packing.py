@@ -1,0 +1,123 @@
+"""Padded causal-LM batches run packed: each row's real tokens laid end to end in fewer rows.
+
+A collator that pads every row to the batch's longest (Trainer's default, ``DataCollatorForSeq2Seq``,
+TRL without packing) makes the decoder compute its pad tokens too: with lengths drawn from a real
+dataset, often a third to a half of a batch. ``pack`` moves the real tokens of a right-padded batch
+into rows of ``length_bucket(longest)`` tokens (first-fit decreasing), each sequence at the
+positions it had (0, 1, ...), with ``position_ids`` and no attention mask: the layout of
+``DataCollatorWithFlattening``, in which transformers' mask functions let each token attend only
+to the earlier tokens of its own sequence. What is left at the end of a row is a filler sequence
+(positions from 0, labels -100), which attends only to itself.
+
+The loss and every gradient are those of the padded batch: a token's target is the next token of
+its own row (each sequence's first label is made -100, so no token learns to predict the next
+sequence), pads contributed nothing (their labels are -100: checked) and no real token attended
+to a pad (their mask was 0). ``num_items_in_batch`` is unchanged.
+
+Only model families whose decoders read the attention mask for nothing but the attention
+(``PACKABLE``: transformers builds their masks with ``masking_utils``, which finds packed
+sequences from the positions) are packed; a decoder whose recurrent or convolutional layers also
+read the mask (Mamba hybrids, linear attention) would run across sequence boundaries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Families whose packed batches give the padded batch's numbers (tests/test_packing.py checks each).
+PACKABLE = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
+})
+
+
+@dataclass
+class Packed:
+    """A padded batch packed into rows: what the decoder and the head region are called with."""
+
+    input_ids: Tensor | None  # [rows, width]
+    inputs_embeds: Tensor | None  # [rows, width, hidden]
+    position_ids: Tensor  # [rows, width]: each sequence's own positions, the filler's from 0
+    labels: Tensor  # [rows, width]: -100 at each sequence's first token and on the filler
+    rows: int
+    width: int
+
+
+def length_bucket(length: int) -> int:
+    """The length a padded batch of ``length`` tokens a row is padded to once lengths vary: the next
+    multiple of an eighth of the power of two at or below it (at least 8), so at most 12.5% more
+    tokens and eight lengths per octave."""
+    step = max(8, 1 << max(length.bit_length() - 4, 0))
+    return -(-length // step) * step
+
+
+def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
+    """Bins of at most ``width`` tokens holding the indices of ``lengths`` (each at most ``width``),
+    longest first, each into the first bin with room; the indices in a bin keep the batch's order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[index] == 0:
+            continue
+        for b, free in enumerate(room):
+            if free >= lengths[index]:
+                bins[b].append(index)
+                room[b] -= lengths[index]
+                break
+        else:
+            bins.append([index])
+            room.append(width - lengths[index])
+    return [sorted(b) for b in bins]
+
+
+def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor | None, labels: Tensor) -> Packed | None:
+    """The batch packed (see the module), or None where packing would change its numbers or save
+    nothing: padding not on the right of every row, a pad whose label is not -100, no padding, as
+    many packed rows as padded ones, or fewer than two sequences. Never packs into one row (rows of
+    half the tokens instead). Reads the mask's row lengths on the host (one sync)."""
+    rows, length = attention_mask.shape
+    if labels.shape != attention_mask.shape or (input_ids is None) == (inputs_embeds is None):
+        return None
+    mask = attention_mask.bool()
+    counts = mask.sum(-1)
+    right = (mask == (torch.arange(length, device=mask.device) < counts[:, None])).all()
+    pads_ignored = (labels.masked_fill(mask, -100) == -100).all()
+    info = torch.cat([torch.stack([right, pads_ignored]).long(), counts.long()]).tolist()
+    lengths = info[2:]
+    if not (info[0] and info[1]) or min(lengths) == length or max(lengths) == 0:
+        return None
+    width = length_bucket(max(lengths))
+    bins = first_fit_decreasing(lengths, width)
+    if len(bins) == 1:
+        # Never one row from several: a symbolic program traced with several rows does not admit
+        # one (a size of 1 is specialised), and one traced with one row admits no other.
+        if sum(n > 0 for n in lengths) < 2:
+            return None
+        width = length_bucket(max(max(lengths), -(-sum(lengths) // 2)))
+        bins = first_fit_decreasing(lengths, width)
+        if len(bins) == 1:
+            bins = [bins[0][:-1], bins[0][-1:]]
+    if len(bins) >= rows and width >= length:
+        return None
+    # Where each packed token comes from (a flat index into the padded batch), its position, and
+    # whether its label is kept (not a sequence's first token, not filler). Built on the host.
+    source = torch.zeros(len(bins), width, dtype=torch.long)
+    positions = torch.zeros(len(bins), width, dtype=torch.long)
+    keep = torch.zeros(len(bins), width, dtype=torch.bool)
+    for b, members in enumerate(bins):
+        start = 0
+        for index in members:
+            n = lengths[index]
+            source[b, start:start + n] = torch.arange(index * length, index * length + n)
+            positions[b, start:start + n] = torch.arange(n)
+            keep[b, start + 1:start + n] = True
+            start += n
+        positions[b, start:] = torch.arange(width - start)
+    device = attention_mask.device
+    source, positions, keep = (t.to(device, non_blocking=True) for t in (source, positions, keep))
+    flat_labels = labels.reshape(-1)[source]
+    packed_labels = flat_labels.masked_fill(~keep, -100)
+    ids = input_ids.reshape(-1)[source] if input_ids is not None else None
+    embeds = inputs_embeds.reshape(rows * length, -1)[source] if inputs_embeds is not None else None
+    return Packed(ids, embeds, positions, packed_labels, len(bins), width)
