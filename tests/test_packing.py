@@ -122,6 +122,24 @@ def test_packed_lengths_share_one_symbolic_program_and_count_items_as_trainer_do
     assert block.captures == 1 and all(p.dynamic for p in block.compiled_programs)
 
 
+def test_once_batches_ran_packed_every_batch_keeps_the_layout_and_the_one_program():
+    """A batch with nothing to gain (no padding, rows that do not pack tighter, one sequence) after
+    packed ones still runs packed (position ids for every row): the program the packed batches
+    compiled serves it, where the padded layout would compile another."""
+    from loracc.tools import presets
+
+    eager, _ = presets.preset("llama", layers=2)
+    vocab = eager.config.vocab_size
+    batches = [_right_padded(lengths, vocab=vocab, seed=seed) for seed, lengths in
+               enumerate([(12, 5, 9, 3), (10, 10, 10), (11, 9, 10), (7, 0, 0), (13, 4, 6, 2)])]
+    compiled = _train_both(eager, batches)
+    (block,) = [r for r in compiled._loracc.regions if r.kind == "block"]
+    assert block.captures == 1 and not block.recompile_reasons, block.recompile_reasons
+    batch = batches[1]
+    always = pack(batch["input_ids"], batch["attention_mask"], None, batch["labels"], always=True)
+    assert (always.rows, always.width) == (3, 16) and always.position_ids[:, 10:].tolist() == [list(range(6))] * 3
+
+
 def test_inputs_embeds_are_packed_too():
     from loracc.tools import presets
 

@@ -418,7 +418,7 @@ class HeadForward(CompiledForward):
             self.packable = getattr(self.lm.config, "model_type", None) in PACKABLE
             if not self.packable:
                 return None
-        packed = pack(call.get("input_ids"), mask, call.get("inputs_embeds"), labels)
+        packed = pack(call.get("input_ids"), mask, call.get("inputs_embeds"), labels, always=self.packing)
         if packed is None:
             return None
         if self.first_length is None:

@@ -71,11 +71,14 @@ def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor | None, labels: Tensor) -> Packed | None:
-    """The batch packed (see the module), or None where packing would change its numbers or save
-    nothing: padding not on the right of every row, a pad whose label is not -100, no padding, as
-    many packed rows as padded ones, or fewer than two sequences. Never packs into one row (rows of
-    half the tokens instead). Reads the mask's row lengths on the host (one sync)."""
+def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor | None, labels: Tensor,
+         always: bool = False) -> Packed | None:
+    """The batch packed (see the module), or None where packing would change its numbers (padding
+    not on the right of every row, a pad whose label is not -100) or, unless ``always``, save
+    nothing (no padding, as many packed rows as padded ones, fewer than two sequences). ``always``
+    (batches already ran packed) keeps the layout of the calls before, whose programs take position
+    ids of every row. Never packs several rows into one (rows of half the tokens instead). Reads the
+    mask's row lengths on the host (one sync)."""
     rows, length = attention_mask.shape
     if labels.shape != attention_mask.shape or (input_ids is None) == (inputs_embeds is None):
         return None
@@ -85,20 +88,23 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     pads_ignored = (labels.masked_fill(mask, -100) == -100).all()
     info = torch.cat([torch.stack([right, pads_ignored]).long(), counts.long()]).tolist()
     lengths = info[2:]
-    if not (info[0] and info[1]) or min(lengths) == length or max(lengths) == 0:
+    if not (info[0] and info[1]) or max(lengths) == 0 or (min(lengths) == length and not always):
         return None
     width = length_bucket(max(lengths))
     bins = first_fit_decreasing(lengths, width)
-    if len(bins) == 1:
+    if len(bins) == 1 and rows > 1:
         # Never one row from several: a symbolic program traced with several rows does not admit
         # one (a size of 1 is specialised), and one traced with one row admits no other.
         if sum(n > 0 for n in lengths) < 2:
-            return None
-        width = length_bucket(max(max(lengths), -(-sum(lengths) // 2)))
-        bins = first_fit_decreasing(lengths, width)
-        if len(bins) == 1:
-            bins = [bins[0][:-1], bins[0][-1:]]
-    if len(bins) >= rows and width >= length:
+            if not always:
+                return None
+            bins.append([])  # a row of filler
+        else:
+            width = length_bucket(max(max(lengths), -(-sum(lengths) // 2)))
+            bins = first_fit_decreasing(lengths, width)
+            if len(bins) == 1:
+                bins = [bins[0][:-1], bins[0][-1:]]
+    if len(bins) >= rows and width >= length and not always:
         return None
     # Where each packed token comes from (a flat index into the padded batch), its position, and
     # whether its label is kept (not a sequence's first token, not filler). Built on the host.
