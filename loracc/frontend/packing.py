@@ -28,7 +28,9 @@ from torch import Tensor
 
 # Families whose packed batches give the padded batch's numbers (tests/test_packing.py checks each).
 PACKABLE = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
+    "apertus", "arcee", "cohere", "cohere2", "exaone4", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "granite",
+    "helium", "llama", "ministral", "mistral", "mixtral", "olmo", "olmo2", "olmoe", "phi3", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
 })
 
 
