@@ -37,6 +37,22 @@ def with_bf16_rounded_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def bf16_run(reference, eager, control, compiled, batch) -> tuple:
+    """One batch through the four models ``assert_within_eager_bf16_error`` compares (the fp32
+    reference, then eager, control and compiled under bf16 autocast on CUDA): their
+    ``(loss, LoRA gradients by name)`` (those that got one), gradients cleared after."""
+    results = []
+    for model, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                                if p.requires_grad and p.grad is not None}))
+        for p in model.parameters():
+            p.grad = None
+    return tuple(results)
+
+
 def assert_within_eager_bf16_error(runs: list) -> None:
     """loracc's 16-bit run is as close to an fp32 eager reference as eager PEFT's own 16-bit runs.
 

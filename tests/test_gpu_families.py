@@ -17,7 +17,7 @@ import torch
 
 import family_sweep as fs
 import loracc
-from conftest import assert_within_eager_bf16_error, with_bf16_rounded_embeddings
+from conftest import assert_within_eager_bf16_error, bf16_run, with_bf16_rounded_embeddings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 GPT2 = {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True}
@@ -35,16 +35,7 @@ def _runs(model, batches):
     out = []
     for batch in batches:
         batch = {k: v.cuda() for k, v in batch.items()}
-        results = []
-        for model_, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model_(**batch).loss
-            loss.backward()
-            results.append((loss.detach().float(), {n: p.grad.float().clone() for n, p in model_.named_parameters()
-                                                    if p.requires_grad and p.grad is not None}))
-            for p in model_.parameters():
-                p.grad = None
-        out.append(results)
+        out.append(bf16_run(reference, eager, control, compiled, batch))
     return compiled, out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import loracc
-from conftest import assert_within_eager_bf16_error, rel_err, with_bf16_rounded_embeddings
+from conftest import assert_within_eager_bf16_error, bf16_run, rel_err, with_bf16_rounded_embeddings
 from loracc.tools import presets
 from loracc.runtime.cuda_graphs import Replayer
 
@@ -147,15 +147,7 @@ def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family, padd
             mask = torch.ones_like(ids)
             mask[1, seq - seq // 3:] = mask[2, seq - 5:] = 0
             batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-        results = []
-        for model_, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model_(**batch).loss
-            loss.backward()
-            results.append((loss.detach().float(), {n: p.grad.float() for n, p in model_.named_parameters() if p.requires_grad}))
-            for p in model_.parameters():
-                p.grad = None
-        runs.append(results)
+        runs.append(bf16_run(reference, eager, control, compiled, batch))
     assert_within_eager_bf16_error(runs)
     captures = {r.name: r.captures for r in compiled._loracc.regions}
     assert all(r.dynamic_programs for r in compiled._loracc.regions), captures

@@ -172,7 +172,7 @@ def test_packed_batches_on_the_gpu_in_bf16_within_eager_bf16_error(family):
     """Right-padded batches of several lengths, packed, compiled with the Triton backend and CUDA
     graphs under bf16 autocast: loss and LoRA gradients as close to the fp32 eager reference as eager
     PEFT's own bf16 runs are (decision 019); nothing ran eagerly."""
-    from conftest import assert_within_eager_bf16_error, with_bf16_rounded_embeddings
+    from conftest import assert_within_eager_bf16_error, bf16_run, with_bf16_rounded_embeddings
     from loracc.tools import presets
 
     model, _ = presets.preset(family, layers=2)
@@ -183,15 +183,7 @@ def test_packed_batches_on_the_gpu_in_bf16_within_eager_bf16_error(family):
     runs = []
     for seed, lengths in enumerate([(37, 12, 20, 5), (64, 30, 9, 17), (101, 40, 33, 2), (37, 12, 20, 5)]):
         batch = {k: v.cuda() for k, v in _right_padded(lengths, vocab=reference.config.vocab_size, seed=seed).items()}
-        results = []
-        for model_, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model_(**batch).loss
-            loss.backward()
-            results.append((loss.detach().float(), {n: p.grad.float() for n, p in model_.named_parameters() if p.requires_grad}))
-            for p in model_.parameters():
-                p.grad = None
-        runs.append(results)
+        runs.append(bf16_run(reference, eager, control, compiled, batch))
     assert_within_eager_bf16_error(runs)
     report = loracc.explain(compiled)
     assert PACKED_NOTE in str(report) and not report.fallbacks
