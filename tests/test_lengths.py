@@ -424,7 +424,7 @@ def test_varying_padded_lengths_run_at_length_buckets_with_eager_numbers(side):
     """From the second length on, a padded batch runs padded on the right to its length bucket
     (17 → 24, 23 → 24, 30 → 32: lengths of a bucket share CUDA graphs); loss and every LoRA
     gradient are eager PEFT's on the batch as given, right or left padded."""
-    from loracc.frontend.hf_causal_lm import length_bucket
+    from loracc.frontend.packing import length_bucket
 
     eager, compiled = _pair(layers=2)
     lengths = (12, 17, 23, 30, 12)

@@ -330,16 +330,16 @@ class HeadForward(CompiledForward):
 
     def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module, regions: list[Region]):
         self.region, self.lm, self.decoder = region, lm, decoder
-        self.regions = regions  # the model's (its head region among them): see ``_bucketed``
+        self.regions = regions  # the model's (its head region among them): see ``_first_call``
         self.transform, _ = head_recipe(lm)
         # The final norm joins the head region where the decoder reads it once (its last call);
         # one that calls it more often (NanoChat's norm also runs before the layers) keeps it.
         self.defers_norm = _reads_once(decoder, "norm")
         self.head = _Head(decoder.norm if self.defers_norm else nn.Identity(), lm.lm_head, lm.loss_function,
                           lm.config.vocab_size, _fusable_loss(lm), self.transform)
-        self.first_length: int | None = None  # of the first padded batch compiled (``_bucketed``)
+        self.first_length: int | None = None  # of the first call with a 2-D mask (``_first_call``)
         self.bucketing = False  # a batch was padded to its length bucket
-        self.packable: bool | None = None  # the model's family is in packing.PACKABLE (None: not looked up yet)
+        self.packable = getattr(lm.config, "model_type", None) in PACKABLE
         self.packing = False  # a padded batch ran packed
 
     @property
@@ -380,6 +380,7 @@ class HeadForward(CompiledForward):
         length = labels.shape[-1]
         head = self.head
         head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
+        self._first_call(call)
         packed = self._packed(call, labels)
         if packed is not None:
             # The packed sequences are kept apart by transformers' mask only without a cache.
@@ -410,20 +411,13 @@ class HeadForward(CompiledForward):
         position ids or a 4-D mask given, or a batch ``pack`` leaves as it is."""
         mask = call.get("attention_mask")
         if (
-            self.packable is False or not self.head.fused or mask is None or mask.dim() != 2
+            not self.packable or not self.head.fused or mask is None or mask.dim() != 2
             or call.get("position_ids") is not None or self._fp16(labels.device)
         ):
             return None
-        if self.packable is None:
-            self.packable = getattr(self.lm.config, "model_type", None) in PACKABLE
-            if not self.packable:
-                return None
         packed = pack(call.get("input_ids"), mask, call.get("inputs_embeds"), labels, always=self.packing)
         if packed is None:
             return None
-        if self.first_length is None:
-            self.first_length = mask.shape[-1]
-            self._sizes_vary()
         if not self.packing:
             self.packing = True
             self.region.notes.append(
@@ -431,8 +425,16 @@ class HeadForward(CompiledForward):
                 "bucket, attending only within their own sequence (frontend.packing)")
         return packed
 
-    def _sizes_vary(self) -> None:
-        """The first batch was padded: every region compiles symbolic programs from its first call."""
+    def _first_call(self, call: dict) -> None:
+        """At the first call with a 2-D attention mask and no position ids: remember its length, and
+        where the batch has padding (lengths will vary) make every region compile symbolic programs
+        from its first call."""
+        mask = call.get("attention_mask")
+        if self.first_length is not None or mask is None or mask.dim() != 2 or call.get("position_ids") is not None:
+            return
+        self.first_length = mask.shape[-1]
+        if bool(mask.all()):
+            return
         for region in self.regions:
             region.symbolic_first = True
             region.notes.append(f"the first batch was padded: symbolic from the first call (lengths vary); "
@@ -449,10 +451,6 @@ class HeadForward(CompiledForward):
         if attention_mask is None or attention_mask.dim() != 2 or position_ids is not None:
             return input_ids, attention_mask, inputs_embeds, labels
         length = attention_mask.shape[-1]
-        if self.first_length is None:
-            self.first_length = length
-            if not bool(attention_mask.all()):
-                self._sizes_vary()
         target = length_bucket(length)
         if length == self.first_length or target == length or labels.shape[-1] != length:
             return input_ids, attention_mask, inputs_embeds, labels
@@ -460,7 +458,7 @@ class HeadForward(CompiledForward):
         if not self.bucketing:
             self.bucketing = True
             self.region.notes.append(f"padded batches of lengths other than the first's ({self.first_length}) run "
-                                     "padded on the right to length buckets (frontend.hf_causal_lm.length_bucket)")
+                                     "padded on the right to length buckets (frontend.packing.length_bucket)")
         pad = torch.nn.functional.pad
         if input_ids is not None:
             input_ids = pad(input_ids, (0, extra), value=0)

@@ -42,8 +42,14 @@ class Packed:
     inputs_embeds: Tensor | None  # [rows, width, hidden]
     position_ids: Tensor  # [rows, width]: each sequence's own positions, the filler's from 0
     labels: Tensor  # [rows, width]: -100 at each sequence's first token and on the filler
-    rows: int
-    width: int
+
+    @property
+    def rows(self) -> int:
+        return self.position_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.position_ids.shape[1]
 
 
 def length_bucket(length: int) -> int:
@@ -128,4 +134,4 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     packed_labels = flat_labels.masked_fill(~keep, -100)
     ids = input_ids.reshape(-1)[source] if input_ids is not None else None
     embeds = inputs_embeds.reshape(rows * length, -1)[source] if inputs_embeds is not None else None
-    return Packed(ids, embeds, positions, packed_labels, len(bins), width)
+    return Packed(ids, embeds, positions, packed_labels)
