@@ -177,8 +177,8 @@ def test_triton_dequant_kernel_equals_the_reference(shape, dtype, double_quant):
     q = quantize_nf4(torch.randn(shape, device=device), double_quant=double_quant)
     args = (q.packed, q.absmax, q.quant_map, q.nested_absmax, q.nested_quant_map, q.offset, list(shape), q.blocksize,
             q.nested_blocksize, dtype)
-    # BLOCK is 1024 elements per program: (3, 1000) is not a multiple of it; the kernel allocates its
-    # output with torch.empty, so poison the allocator's free memory with NaN first.
+    # A program decodes 1024 elements: neither size is a multiple of it, and (37, 41) is odd;
+    # the kernel allocates its output with torch.empty, so poison the allocator's free memory with NaN first.
     torch.full((8192,), float("nan"), device=device)
     got = nf4_codegen.dequantize(*args)
     expected = dequantize_nf4(*args[:6], tuple(shape), *args[7:])

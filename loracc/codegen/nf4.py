@@ -5,8 +5,8 @@ compute dtype right before its GEMMs (forward, and again for the input gradient:
 recomputes it rather than saving it), then the fused LoRA GEMM runs on it as on any base. Only one
 layer's decoded weight is alive at a time, never a 16-bit copy of the model.
 
-The double-quantized absmax (``[n / 64]`` values) is decoded first with torch ops, as bitsandbytes
-does (``nf4.dequantize_absmax``: one rounding per step, no fused multiply-add); the kernel then
+A double-quantized absmax (``[n / 64]`` uint8 codes) is decoded inside the kernel, one rounding per
+step as bitsandbytes does (the kernel is compiled without fused multiply-adds); the kernel then
 computes ``quant_map[code] * absmax`` in fp32 and rounds once, so its output equals
 bitsandbytes' ``dequantize_4bit`` bit for bit.
 """
@@ -26,25 +26,40 @@ BLOCK = 1024  # elements per program
 
 
 @functools.cache
-def _kernel(blocksize: int, dtype: torch.dtype, device: torch.device):
+def _kernel(blocksize: int, nested_blocksize: int | None, dtype: torch.dtype, device: torch.device):
+    """The decoding kernel; ``nested_blocksize`` None for an fp32 absmax, else the blocks of its
+    double quantization, decoded in the kernel too."""
     dt = DTYPE_NAMES[dtype]
-    name = f"nf4_dequant_b{blocksize}_{dt}"
-    shapes = ["packed: [N/2] uint8", f"absmax: [N/{blocksize}] fp32", "quant_map: [16] fp32", f"W: [N] {dt}"]
-    source = render("nf4_dequant.py.jinja", name=name, blocksize=blocksize, dtype_name=dt, shapes=shapes)
+    nested = nested_blocksize is not None
+    name = f"nf4_dequant_b{blocksize}" + (f"_nested{nested_blocksize}" if nested else "") + f"_{dt}"
+    shapes = ["packed: [N/2] uint8", f"absmax: [N/{blocksize}] " + ("uint8" if nested else "fp32"), "quant_map: [16] fp32",
+              f"W: [N] {dt}"]
+    if nested:
+        shapes[2:2] = ["nested_map: [256] fp32", f"nested_absmax: [N/{blocksize}/{nested_blocksize}] fp32", "offset: [] fp32"]
+    source = render("nf4_dequant.py.jinja", name=name, blocksize=blocksize, nested=nested,
+                    nested_blocksize=nested_blocksize, dtype_name=dt, shapes=shapes)
     return cache.load_kernel(name, source, device)
 
 
 def dequantize(packed: Tensor, absmax: Tensor, quant_map: Tensor, nested_absmax: Tensor | None,
                nested_quant_map: Tensor | None, nested_offset: Tensor | None, shape, blocksize: int,
                nested_blocksize: int, dtype: torch.dtype) -> Tensor:
-    """``loracc::dequant_nf4``'s result (see ``loracc/quant/nf4.py``), computed by the Triton kernel."""
-    scale = dequantize_absmax(absmax, nested_absmax, nested_quant_map, nested_offset, nested_blocksize).contiguous()
+    """``loracc::dequant_nf4``'s result (see ``loracc/quant/nf4.py``), computed by the Triton kernel:
+    one launch, the double-quantized absmax decoded in it (without fused multiply-adds, so each step
+    rounds as bitsandbytes' does)."""
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     n = out.numel()
-    if n:
-        grid = (-(-n // BLOCK),)
-        _kernel(blocksize, dtype, packed.device)[grid](packed.contiguous(), scale, quant_map.float().contiguous(), out, n,
-                                                       BLOCK=BLOCK)
+    if not n:
+        return out
+    grid = (-(-n // BLOCK),)
+    quant_map = quant_map.float().contiguous()
+    if nested_absmax is None:
+        _kernel(blocksize, None, dtype, packed.device)[grid](packed.contiguous(), absmax.float().contiguous(), quant_map,
+                                                             out, n, BLOCK=BLOCK)
+    else:
+        _kernel(blocksize, nested_blocksize, dtype, packed.device)[grid](
+            packed.contiguous(), absmax.contiguous(), nested_quant_map.float().contiguous(), nested_absmax.float().contiguous(),
+            nested_offset.float().reshape(()), quant_map, out, n, BLOCK=BLOCK, enable_fp_fusion=False)
     return out
 
 
