@@ -39,6 +39,8 @@ MOE_LORA = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)
+LLAMA_3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5)
 
 
 def _diffusion(kind: str, config: dict, batch: int, image_side: int, text_tokens: int, dtype: str, targets) -> dict:
@@ -66,6 +68,11 @@ WORKLOADS = {
     # The same with its frozen linears in NF4 with double quantization (loracc.quantize; QLoRA's
     # format), LoRA adapters in bf16 beside them; lm_head stays bf16.
     "llama-3-8b-nf4": dict(family="llama", batch=1, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="nf4"),
+    # Llama-3-70B's shapes in NF4 (double quant) at 1 x 4096: its bf16 weights (131 GiB) never fit
+    # an 80 GB GPU, so each decoder layer is made and quantized on the GPU before the next
+    # (``per_layer``); ~37 GiB of NF4 weights, embedding and lm_head in bf16.
+    "llama-3-70b-nf4": dict(family="llama", batch=1, seq=4096, dtype="bfloat16", config=LLAMA_3_70B, quant="nf4",
+                            per_layer=True),
     # Its frozen linears in FP8 (e4m3, a scale per output channel: loracc.quantize(..., "fp8",
     # block=None)), at 2 x 2048, and the bf16 base at the same shape: loracc runs the frozen GEMMs
     # of the FP8 one on FP8 tensor cores (codegen/fp8_gemm.py).
@@ -89,6 +96,8 @@ WORKLOADS = {
     # Every output a multiple of 64 (bitsandbytes' CPU kernel misreads other row lengths).
     "tiny-nf4": dict(family="llama", batch=2, seq=32, dtype="float32", config=dict(TINY, num_key_value_heads=4),
                      quant="nf4"),
+    "tiny-nf4-per-layer": dict(family="llama", batch=2, seq=32, dtype="float32", config=dict(TINY, num_key_value_heads=4),
+                               quant="nf4", per_layer=True),
     "tiny-moe": dict(family="qwen3_moe", batch=2, seq=32, dtype="float32", config=TINY_MOE, lora=MOE_LORA),
     "tiny-unet": _diffusion("unet", diffusion.TINY_UNET, 2, 64, 7, "float32", diffusion.ATTENTION),
     "tiny-flux": _diffusion("flux", diffusion.TINY_FLUX, 2, 96, 7, "float32", diffusion.JOINT_ATTENTION),
@@ -147,6 +156,8 @@ def applies(method: str, workload: str) -> str | None:
         return f"{method} applies to causal language models only (choose from {', '.join(sorted(DIFFUSION_METHODS))})"
     if method.startswith("unsloth") and (spec.get("quant") or spec["family"] not in ("llama", "qwen2")):
         return "the benchmark loads Llama and Qwen2 bf16 bases into Unsloth only"
+    if spec.get("per_layer") and method not in ("peft-eager", "loracc", "loracc-budget", "loracc-8gb"):
+        return "its model is built quantized layer by layer (loracc.quantize): eager PEFT and loracc's methods only"
     if method in ("peft-bnb", "loracc-bnb") and spec.get("quant") != "nf4":
         return "bitsandbytes' NF4 base applies to the NF4 workloads only (llama-3-8b-nf4, tiny-nf4)"
     return None
@@ -207,6 +218,44 @@ def make_base(workload: str, device):
             config_class(**spec["config"]), dtype=getattr(torch, spec["dtype"]), attn_implementation="sdpa")
 
 
+def _quantized_layer_by_layer(workload: str, lora, device, progress):
+    """The workload's PEFT model with its frozen linears in NF4 (double quant), for a model whose
+    16-bit weights do not fit the device: built on the meta device, LoRA added there, then the
+    embedding, final norm and lm_head made on ``device``, and each decoder layer made on ``device``
+    and quantized before the next one, so at most one layer is ever in 16 bits. Random weights from
+    the seed: normal(0, 0.02) matrices (LoRA's B zero, as PEFT initialises it), norms 1."""
+    import torch
+    from peft import get_peft_model
+
+    import loracc
+
+    model = get_peft_model(make_base(workload, "meta"), lora)
+    model.train()
+    decoder = model.get_base_model().model
+    generator = torch.Generator(device=device).manual_seed(SEED)
+
+    def make(module):
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                elif "lora_B" in name:
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=generator)
+
+    for module in (decoder.embed_tokens, decoder.norm, model.get_base_model().lm_head):
+        make(module)
+    with torch.device(device):  # its buffers are computed at construction, not parameters to fill
+        decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+    for i, layer in enumerate(decoder.layers):
+        progress(f"layer {i} of {len(decoder.layers)}: made and quantized")
+        make(layer)
+        loracc.quantize(layer, "nf4", double_quant=True)
+    return model
+
+
 def build_model(workload: str, method: str, device, progress=_no_progress, max_seq: int | None = None,
                 dynamic: bool = False):
     """The workload's model with PEFT LoRA, built on ``device`` from the seed (same weights for
@@ -233,6 +282,11 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
     if method == "peft-liger":
         import liger_kernel.transformers as liger
         getattr(liger, f"apply_liger_kernel_to_{spec['family']}")()
+    targets = spec.get("lora", {"target_modules": LORA_TARGETS})
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
+    if spec.get("per_layer"):
+        model = _quantized_layer_by_layer(workload, lora, device, progress)
+        return model, model, "built and quantized layer by layer"
     base = make_base(workload, device)
     if method.startswith("unsloth"):
         progress("unsloth load")
@@ -242,8 +296,6 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
         _to_bitsandbytes(base, device, getattr(torch, spec["dtype"]))
     if method == "peft-hf-ckpt":
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    targets = spec.get("lora", {"target_modules": LORA_TARGETS})
-    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
     model = get_peft_model(base, lora)
     model.train()
     if method == "loracc-bnb":

@@ -635,7 +635,7 @@ def _train_in_process(workload: str, method: str) -> dict:
 
 
 @pytest.mark.parametrize("workload", [
-    "tiny-nf4", "tiny-unet", "tiny-flux",
+    "tiny-nf4", "tiny-nf4-per-layer", "tiny-unet", "tiny-flux",
     "tiny-moe",
 ])
 def test_other_workloads_train_and_match_eager(workload):
@@ -652,6 +652,28 @@ def test_other_workloads_train_and_match_eager(workload):
         assert compiled["flops_per_token"] * spec["batch"] * spec["seq"] > 4 * frozen * spec["batch"]
     assert "fallbacks to eager: none" in compiled["notes"], compiled["notes"]
     assert re.search(r"\(\d+ of \d+ programs' graphs read from the trace cache\)", compiled["notes"]), compiled["notes"]
+
+
+def test_a_model_built_layer_by_layer_is_quantized_and_initialised_like_peft():
+    """The per-layer build (the 70B workload's, whose 16-bit weights never fit): every frozen linear of
+    the decoder layers in NF4, LoRA's B zero and A random, nothing left on the meta device, lm_head in
+    16 bits; only loracc's methods and eager PEFT apply."""
+    import torch
+
+    from loracc.quant import NF4Linear
+
+    model, peft_model, notes = workloads.build_model("tiny-nf4-per-layer", "loracc", "cpu")
+    assert model is peft_model and "layer by layer" in notes
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    decoder = model.get_base_model().model
+    for layer in decoder.layers:
+        bases = [m.base_layer for m in layer.modules() if hasattr(m, "base_layer")]
+        assert len(bases) == 7 and all(isinstance(b, NF4Linear) for b in bases)
+    lora = dict(model.named_parameters())
+    assert all(not p.any() for n, p in lora.items() if "lora_B" in n)
+    assert all(p.std() > 0 for n, p in lora.items() if "lora_A" in n)
+    assert type(model.get_base_model().lm_head) is torch.nn.Linear
+    assert workloads.applies("peft-compile", "llama-3-70b-nf4") and workloads.applies("loracc-budget", "llama-3-70b-nf4") is None
 
 
 def test_nf4_base_through_bitsandbytes_trains_as_loracc_quantize():
