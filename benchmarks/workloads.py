@@ -89,6 +89,10 @@ WORKLOADS = {
     # at 3 double + 6 single blocks.
     "sdxl-unet": _diffusion("unet", diffusion.SDXL_UNET, 1, 1024, 77, "bfloat16", diffusion.ATTENTION),
     "flux-dev": _diffusion("flux", diffusion.FLUX_DEV, 1, 1024, 512, "bfloat16", diffusion.JOINT_ATTENTION),
+    # The same with every frozen linear in NF4 (double quant; loracc.quantize after add_adapter): what
+    # a quantized base does to Flux's peak and step.
+    "flux-dev-nf4": dict(_diffusion("flux", diffusion.FLUX_DEV, 1, 1024, 512, "bfloat16", diffusion.JOINT_ATTENTION),
+                         quant="nf4"),
     "flux-dev-small": _diffusion("flux", dict(diffusion.FLUX_DEV, num_layers=3, num_single_layers=6), 1, 1024, 512,
                                  "bfloat16", diffusion.JOINT_ATTENTION),
     # A CPU smoke workload: exercises every stage in seconds; fp32 so parity is exact.
@@ -101,6 +105,8 @@ WORKLOADS = {
     "tiny-moe": dict(family="qwen3_moe", batch=2, seq=32, dtype="float32", config=TINY_MOE, lora=MOE_LORA),
     "tiny-unet": _diffusion("unet", diffusion.TINY_UNET, 2, 64, 7, "float32", diffusion.ATTENTION),
     "tiny-flux": _diffusion("flux", diffusion.TINY_FLUX, 2, 96, 7, "float32", diffusion.JOINT_ATTENTION),
+    "tiny-flux-nf4": dict(_diffusion("flux", diffusion.TINY_FLUX, 2, 96, 7, "float32", diffusion.JOINT_ATTENTION),
+                          quant="nf4"),
     # Varying lengths (benchmarks/varlen.py): ``batch`` is rows per step, ``seq`` the packed row length.
     **{f"{name}-{kind}": dict(family=family, batch=batch, seq=varlen["max"], dtype=dtype, config=config,
                               varlen=dict(varlen, layout=layout))
@@ -273,6 +279,11 @@ def build_model(workload: str, method: str, device, progress=_no_progress, max_s
         raise ValueError(f"{method} on {workload}: {why_not}")
     if kind(workload) != "causal-lm":
         model = diffusion.build(spec, device, SEED, LORA_R)
+        if spec.get("quant"):
+            import loracc
+
+            progress("quantize")
+            loracc.quantize(model, spec["quant"], double_quant=True)
         if method == "peft-hf-ckpt":
             model.enable_gradient_checkpointing()
         notes = "SDPA's cuDNN backend off (decision 016)" if spec["kind"] == "flux" else ""

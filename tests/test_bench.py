@@ -635,7 +635,7 @@ def _train_in_process(workload: str, method: str) -> dict:
 
 
 @pytest.mark.parametrize("workload", [
-    "tiny-nf4", "tiny-nf4-per-layer", "tiny-unet", "tiny-flux",
+    "tiny-nf4", "tiny-nf4-per-layer", "tiny-unet", "tiny-flux", "tiny-flux-nf4",
     "tiny-moe",
 ])
 def test_other_workloads_train_and_match_eager(workload):
