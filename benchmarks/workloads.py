@@ -78,6 +78,10 @@ WORKLOADS = {
     # of the FP8 one on FP8 tensor cores (codegen/fp8_gemm.py).
     "llama-3-8b-fp8": dict(family="llama", batch=2, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="fp8",
                            quant_block=None),
+    # The same with 128x128 block scales (DeepSeek-V3's and Qwen3-FP8's layout): FP8 GEMMs with
+    # 1x128-block scaled activations where torch._scaled_mm takes block scales (Hopper).
+    "llama-3-8b-fp8-block": dict(family="llama", batch=2, seq=2048, dtype="bfloat16", config=LLAMA_3_8B, quant="fp8",
+                                 quant_block=128),
     "llama-3-8b-2x2048": dict(family="llama", batch=2, seq=2048, dtype="bfloat16", config=LLAMA_3_8B),
     "qwen3-moe": dict(family="qwen3_moe", batch=2, seq=2048, dtype="bfloat16", config=QWEN3_MOE, lora=MOE_LORA),
     # The same without the load-balancing loss: transformers records the router logits for it with

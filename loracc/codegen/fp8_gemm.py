@@ -1,11 +1,14 @@
-"""Frozen FP8 GEMMs on FP8 tensor cores: a LoRA layer over a per-channel FP8 base.
+"""Frozen FP8 GEMMs on FP8 tensor cores: a LoRA layer over an FP8 base.
 
 A base quantized by ``loracc.quantize(model, "fp8", block=None)`` (float8_e4m3fn weights with one
-fp32 scale per output channel, ``quant/fp8.py``) reaches the graph as ``loracc::dequant_fp8`` feeding
+fp32 scale per output channel, ``quant/fp8.py``) or ``block=128`` (a scale per 128×128 block, the
+layout of published FP8 checkpoints) reaches the graph as ``loracc::dequant_fp8`` feeding
 ``loracc::lora_linear`` and its backward. On a GPU with FP8 tensor cores (compute capability 8.9 or
-later) the Triton backend replaces that pair by ``lora_linear_fp8`` / ``lora_linear_fp8_backward``
-(``rewrite``): the frozen GEMMs read the FP8 weight as it is stored and run as ``torch._scaled_mm``
-with row-wise scales, and no 16-bit copy of the weight is decoded.
+later; 9.0 or later for block scales) the Triton backend replaces that pair by ``lora_linear_fp8`` /
+``lora_linear_fp8_backward`` (``rewrite``): the frozen GEMMs read the FP8 weight as it is stored and
+run as ``torch._scaled_mm``, and no 16-bit copy of the weight is decoded.
+
+Per-channel weights:
 
 - forward: ``x`` is quantized per row to float8_e4m3fn (``scale = amax / 448``, ``quantize_rows``:
   one Triton kernel on a GPU);
@@ -19,9 +22,12 @@ with row-wise scales, and no 16-bit copy of the weight is decoded.
 
 The activations and output gradients are rounded to FP8 (3 mantissa bits, a scale per row): the
 frozen GEMMs' results differ from the decoded-weight path's (and eager's) by FP8's rounding, as in
-any FP8 training recipe, and ``rewrite`` warns so. Block-scaled FP8 weights (``block=128``) keep the decoded path: their scales vary
-along the contraction dimension, which row-wise scaled GEMMs cannot express. Shapes whose
-contraction or output dimension is not a multiple of 16 (what the FP8 GEMM needs) decode too.
+any FP8 training recipe, and ``rewrite`` warns so.
+
+Block-scaled weights (``block=128``): the same, with ``x`` and ``dY`` quantized in blocks of 1×128
+along the contraction (DeepSeek-V3's recipe) and the weight's 128×128 scales given to the GEMM as
+they are (``torch._scaled_mm``'s block-wise scaling: Hopper's cuBLAS). Shapes whose contraction or
+output dimension is not a multiple of 16 (128 for block scales) decode the weight instead.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from ..ir.graph import info
+from ..ir.graph import info, value
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward, or_empty
 from ..quant.fp8 import DEQUANT_FP8, FP8, dequantize_fp8, quantize_fp8
 from . import cache
@@ -46,6 +52,12 @@ ALIGN = 16  # what torch._scaled_mm needs of K and N
 def available(device: torch.device) -> bool:
     """Whether ``device`` has FP8 tensor cores for ``torch._scaled_mm`` (compute capability 8.9+)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def blockwise_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes 1×128 and 128×128 block scales on ``device`` (Hopper's
+    cuBLAS, compute capability 9.0+; not the CPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def quantize_rows(x: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -117,25 +129,39 @@ def transpose_bytes(src: Tensor, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def _fits(in_features: int, out_features: int) -> bool:
-    return in_features % ALIGN == 0 and out_features % ALIGN == 0
+def _fits(in_features: int, out_features: int, block: int = 0) -> bool:
+    align = block or ALIGN
+    return in_features % align == 0 and out_features % align == 0
+
+
+def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``x`` [M, K] as float8_e4m3fn values and an fp32 scale per 1×``block`` block [M, K/block], laid
+    out column-major (what ``torch._scaled_mm`` takes): ``quantize_rows`` over rows of ``block``."""
+    rows, cols = x.shape
+    q, scale = quantize_rows(x.reshape(rows * cols // block, block))
+    return q.reshape(rows, cols), scale.reshape(rows, cols // block).t().contiguous().t()
 
 
 def lora_linear_fp8(x: Tensor, bits: Tensor, w_scale: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
-                    scale: float, lora_x: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``loracc::lora_linear(x, dequant_fp8(bits, w_scale, 0, x.dtype), bias, ...)`` with the frozen
-    GEMM on FP8 tensor cores; returns ``(y, su)`` as that op does. The LoRA branch is the cuBLAS
-    path of ``codegen.lora_linear`` (adapters cast to ``x``'s dtype, ``su@Bᵀ`` added into ``y``)."""
+                    scale: float, lora_x: Tensor | None, block: int = 0) -> tuple[Tensor, Tensor]:
+    """``loracc::lora_linear(x, dequant_fp8(bits, w_scale, block, x.dtype), bias, ...)`` with the frozen
+    GEMM on FP8 tensor cores (``block`` 0: per-channel scales; 128: 128×128 block scales); returns
+    ``(y, su)`` as that op does. The LoRA branch is the cuBLAS path of ``codegen.lora_linear``
+    (adapters cast to ``x``'s dtype, ``su@Bᵀ`` added into ``y``)."""
     out_features, in_features = bits.shape
-    if not _fits(in_features, out_features):
-        weight = dequantize_fp8(bits.view(FP8), w_scale, None, x.dtype)
+    if not _fits(in_features, out_features, block):
+        weight = dequantize_fp8(bits.view(FP8), w_scale, block or None, x.dtype)
         return torch.ops.loracc.lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     lin2 = None if lora_x is None else lora_x.reshape(-1, in_features)
-    xq, xs = quantize_rows(x2)
-    y = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1),
-                         out_dtype=x.dtype)
+    if block:
+        xq, xs = quantize_blocks(x2, block)
+        y = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().t(), out_dtype=x.dtype)
+    else:
+        xq, xs = quantize_rows(x2)
+        y = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1),
+                             out_dtype=x.dtype)
     if bias is not None:
         y = y.add_(bias.to(x.dtype))
     su = lora_kernels._scaled_u(x2, lin2, lora_a, scale)
@@ -145,13 +171,14 @@ def lora_linear_fp8(x: Tensor, bits: Tensor, w_scale: Tensor, bias: Tensor | Non
 
 def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bits: Tensor, w_scale: Tensor,
                              lora_a: Tensor, lora_b: Tensor, scale: float, lora_in_is_x: bool, need_grad_x: bool,
-                             need_grad_lora_in: bool, need_grad_bias: bool):
-    """``loracc::lora_linear_backward`` over the FP8 weight, ``dX``'s frozen GEMM on FP8 tensor cores:
-    ``(dx, dlora_in, dlora_a, dlora_b, dbias)``. The LoRA products are ``codegen.lora_linear``'s
-    cuBLAS ones; without an input gradient the FP8 weight is not read at all."""
+                             need_grad_lora_in: bool, need_grad_bias: bool, block: int = 0):
+    """``loracc::lora_linear_backward`` over the FP8 weight (``block`` as for ``lora_linear_fp8``),
+    ``dX``'s frozen GEMM on FP8 tensor cores: ``(dx, dlora_in, dlora_a, dlora_b, dbias)``. The LoRA
+    products are ``codegen.lora_linear``'s cuBLAS ones; without an input gradient the FP8 weight is
+    not read at all."""
     out_features, in_features = bits.shape
-    if need_grad_x and not _fits(in_features, out_features):
-        weight = dequantize_fp8(bits.view(FP8), w_scale, None, grad_y.dtype)
+    if need_grad_x and not _fits(in_features, out_features, block):
+        weight = dequantize_fp8(bits.view(FP8), w_scale, block or None, grad_y.dtype)
         return lora_linear_backward(grad_y, lora_in, lora_u, weight, lora_a, lora_b, scale, lora_in_is_x,
                                     need_grad_x, need_grad_lora_in, need_grad_bias)
     lead = grad_y.shape[:-1]
@@ -161,10 +188,15 @@ def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bi
     grad_u = lora_kernels._scaled_mm(gy2, b_c, scale)
     grad_x = grad_lin = None
     if need_grad_x:
-        gq, gs = quantize_rows(gy2, w_scale.reshape(-1))
         weight_t = transpose_bytes(bits.view(FP8))  # [K, N] row-major: W_q column-major, as the GEMM reads it
-        ones = torch.ones((1, in_features), dtype=torch.float32, device=gy2.device)
-        grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
+        if block:  # dY in 1×128 blocks along N; the weight's block scales over [N, K], column-major
+            gq, gs = quantize_blocks(gy2, block)
+            w_scales = w_scale.float().t().contiguous().t()
+            grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=w_scales, out_dtype=grad_y.dtype)
+        else:
+            gq, gs = quantize_rows(gy2, w_scale.reshape(-1))
+            ones = torch.ones((1, in_features), dtype=torch.float32, device=gy2.device)
+            grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=ones, out_dtype=grad_y.dtype)
         if lora_in_is_x:
             grad_x = grad_x.addmm_(grad_u, a_c)
     if need_grad_lora_in and not lora_in_is_x:
@@ -175,39 +207,46 @@ def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bi
             grad_a, grad_b, or_empty(gy2.sum(0) if need_grad_bias else None, grad_y))
 
 
-def _per_channel_decode(node) -> fx.Node | None:
-    """The ``loracc::dequant_fp8`` node with per-channel scales that ``node``'s weight argument is, if any."""
+def _fp8_decode(node, blocks: bool) -> tuple[fx.Node, int] | None:
+    """The ``loracc::dequant_fp8`` node that ``node``'s weight argument is, with its block (0: per
+    channel), if the FP8 GEMMs take it (block scales only where ``blocks``)."""
     if isinstance(node, fx.Node) and node.op == "call_function" and node.target is DEQUANT_FP8:
         block = node.args[2] if len(node.args) > 2 else node.kwargs.get("block")
-        return node if block == 0 else None
+        if block == 0 or (block == 128 and blocks):
+            return node, block
     return None
 
 
-def rewrite(graph: fx.Graph) -> list[dict]:
-    """Retarget every ``lora_linear`` (and backward) whose weight is a per-channel FP8 decode to the
-    FP8 tensor-core functions above; decodes left without users go. Returns one report entry a node."""
+def rewrite(graph: fx.Graph, device: torch.device) -> list[dict]:
+    """Retarget every ``lora_linear`` (and backward) whose weight is an FP8 decode (per channel; 128×128
+    blocks where ``blockwise_available(device)``) to the FP8 tensor-core functions above; decodes left
+    without users go. Returns one report entry a node."""
     report = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
             continue
         at = 1 if node.target is LORA_LINEAR else 3  # the weight argument
-        decode = _per_channel_decode(node.args[at])
-        if decode is None:
+        found = _fp8_decode(node.args[at], blockwise_available(device))
+        if found is None:
             continue
+        decode, block = found
         bits, w_scale = decode.args[:2]
+        out_features, in_features = value(bits).shape
+        if not _fits(in_features, out_features, block):  # the functions would decode it: say nothing of FP8
+            continue
         args = list(node.args)
         args[at:at + 1] = [bits, w_scale]
-        node.args = tuple(args)
+        node.args = tuple(args) + ((block,) if block else ())
         node.target = lora_linear_fp8 if at == 1 else lora_linear_fp8_backward
         if not decode.users:
             graph.erase_node(decode)
+        scaling = "1×128-block" if block else "row-wise"
         report.append({"node": node.name, "layer": info(node).get("lora_layer") or info(node).get("module"),
-                       "runs": "FP8 tensor cores (torch._scaled_mm, row-wise scaled e4m3 activations)"})
+                       "runs": f"FP8 tensor cores (torch._scaled_mm, {scaling} scaled e4m3 activations)"})
     if report:
         warnings.warn(
-            f"loracc: {len(report)} LoRA GEMMs over per-channel FP8 weights run on FP8 tensor cores with their "
-            "activations and output gradients rounded to FP8: results differ from eager's (which decodes the "
-            "weights to the compute dtype) by FP8's rounding. Quantize with block=128 to keep the decoded path",
-            stacklevel=2)
+            f"loracc: {len(report)} LoRA GEMMs over FP8 weights run on FP8 tensor cores with their activations "
+            "and output gradients rounded to FP8: results differ from eager's (which decodes the weights to the "
+            "compute dtype) by FP8's rounding", stacklevel=2)
     return report
 

@@ -2,7 +2,7 @@
 
 Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case the kernels cover
 (see ``lora_linear.unsupported``) calls ``lora_linear.lora_linear`` / ``lora_linear_backward``
-instead (over a per-channel FP8 weight, on FP8 tensor cores: ``fp8_gemm``); every group the
+instead (over an FP8 weight, on FP8 tensor cores: ``fp8_gemm``); every group the
 ``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
 chunk (``cross_entropy``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
@@ -88,8 +88,8 @@ class TritonBackend:
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
         ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
-        if fp8_gemm.available(self.device):  # LoRA layers over per-channel FP8 weights: FP8 tensor cores
-            self.report += [{"stage": stage, **entry} for entry in fp8_gemm.rewrite(graph)]
+        if fp8_gemm.available(self.device):  # LoRA layers over FP8 weights: FP8 tensor cores
+            self.report += [{"stage": stage, **entry} for entry in fp8_gemm.rewrite(graph, self.device)]
         ahead = []  # the kernels this graph will launch, compiled before its first call (precompile)
         # A graph with symbolic batch and sequence sizes: its kernels take those sizes at run time,
         # and the runtime replays it as a CUDA graph per size (runtime/sized_graphs.py).
