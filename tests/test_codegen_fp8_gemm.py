@@ -128,17 +128,19 @@ def _exact_blocks(rows, cols, generator):
 @pytest.mark.parametrize("lora_in_is_x", [True, False])
 def test_block_scaled_weights_equal_the_decoded_weight_path_where_fp8_is_exact(lora_in_is_x):
     """128×128 block scales: ``x`` and ``dY`` in 1×128 blocks that FP8 represents exactly, so the FP8
-    GEMMs compute what the decoded weight's do (fp32, 1e-4), forward and every gradient; the rows
-    (37) are no multiple of anything."""
+    GEMMs compute what the decoded weight's do, forward and every gradient; the rows (37) are no
+    multiple of anything. Within 1e-3, not fp32's 1e-4: Hopper's FP8 tensor cores accumulate with
+    fewer bits than fp32 (1.6e-4 measured over K = 512 on the H100); a scale read from the wrong
+    block is off by far more (up to 1e27 measured with a misplaced leading dimension)."""
     g = torch.Generator().manual_seed(5)
-    rows, in_f, out_f, rank = 37, 256, 384, 8
+    rows, in_f, out_f, rank = 37, 512, 1024, 8
     bits, w_scale, lora_a, lora_b = _block_layer(out_f, in_f, rank, g)
     weight = dequantize_fp8(bits.view(FP8), w_scale, 128, torch.float32)
     x = _exact_blocks(rows, in_f, g).to(DEVICE)
     bias = torch.randn(out_f, generator=g).to(DEVICE)
     want_y, want_su = torch.ops.loracc.lora_linear(x, weight, bias, lora_a, lora_b, 0.5, None)
     y, su = fp8_gemm.lora_linear_fp8(x, bits, w_scale, bias, lora_a, lora_b, 0.5, None, 128)
-    assert rel_err(y, want_y) <= 1e-4 and rel_err(su, want_su) <= 1e-4
+    assert rel_err(y, want_y) <= 1e-3 and rel_err(su, want_su) <= 1e-4
     grad_y = _exact_blocks(rows, out_f, g).to(DEVICE)
     lora_in = x if lora_in_is_x else torch.randn(rows, in_f, generator=g).to(DEVICE)
     lora_u = torch.randn(rows, rank, generator=g).to(DEVICE)
@@ -147,13 +149,13 @@ def test_block_scaled_weights_equal_the_decoded_weight_path_where_fp8_is_exact(l
     got = fp8_gemm.lora_linear_fp8_backward(grad_y, lora_in, lora_u, bits, w_scale, lora_a, lora_b, 0.25, *flags, 128)
     for name, a, b in zip(("dx", "dlora_in", "dA", "dB", "dbias"), got, want):
         assert a.shape == b.shape, name
-        assert (a.numel() == 0 and b.numel() == 0) or rel_err(a, b) <= 1e-4, name
+        assert (a.numel() == 0 and b.numel() == 0) or rel_err(a, b) <= (1e-3 if name == "dx" else 1e-4), name
 
 
 @BLOCKWISE
 def test_block_scaled_weights_on_random_bf16_inputs_are_within_fp8_rounding():
     g = torch.Generator().manual_seed(6)
-    rows, in_f, out_f, rank = 100, 384, 256, 16
+    rows, in_f, out_f, rank = 100, 1536, 512, 16
     q = quantize_fp8(torch.randn(out_f, in_f, generator=g), 128)
     bits, w_scale = q.data.view(torch.uint8).to(DEVICE), q.scale.to(DEVICE)
     lora_a, lora_b = (torch.randn(rank, in_f, generator=g) * 0.1).to(DEVICE), (torch.randn(out_f, rank, generator=g) * 0.1).to(DEVICE)
@@ -219,6 +221,19 @@ def test_byte_transpose_kernel_equals_aten(rows, cols):
     assert torch.equal(fp8_gemm.transpose_bytes(bits).view(torch.uint8), bits.view(torch.uint8).t().contiguous())
 
 
+def test_block_scaled_sizes_the_fp8_gemm_cannot_take_use_the_decoded_weight():
+    """128×128 block scales over a weight whose sizes are not multiples of 4 blocks: the reference op's result exactly."""
+    g = torch.Generator().manual_seed(4)
+    q = quantize_fp8(torch.randn(384, 256, generator=g), 128)
+    bits, w_scale = q.data.view(torch.uint8).to(DEVICE), q.scale.to(DEVICE)
+    lora_a, lora_b = torch.randn(4, 256, generator=g).to(DEVICE), torch.randn(384, 4, generator=g).to(DEVICE)
+    x = torch.randn(5, 256, generator=g).to(DEVICE)
+    weight = dequantize_fp8(bits.view(FP8), w_scale, 128, torch.float32)
+    want, _ = torch.ops.loracc.lora_linear(x, weight, None, lora_a, lora_b, 1.0, None)
+    got, _ = fp8_gemm.lora_linear_fp8(x, bits, w_scale, None, lora_a, lora_b, 1.0, None, 128)
+    assert torch.equal(got, want)
+
+
 def test_shapes_the_fp8_gemm_cannot_take_use_the_decoded_weight():
     """A contraction or output dimension that is not a multiple of 16: the reference op's result exactly."""
     g = torch.Generator().manual_seed(3)
@@ -245,7 +260,9 @@ def test_the_triton_backend_runs_per_channel_fp8_layers_on_fp8_gemms(monkeypatch
     monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(fp8_gemm, "available", lambda device: True)
     for block, fp8_layers in ((None, True), (128, fp8_gemm.blockwise_available(DEVICE))):
-        model, batch = presets.preset("llama", layers=2, seq=19, hidden=128, intermediate=256)
+        # On a GPU, sizes the block-scaled GEMM takes (multiples of 512: ``fp8_gemm._fits``).
+        sizes = dict(hidden=512, intermediate=1024) if DEVICE.type == "cuda" else {}
+        model, batch = presets.preset("llama", layers=2, seq=19, **sizes)
         model.to(DEVICE)
         batch = {k: v.to(DEVICE) for k, v in batch.items()}
         loracc.quantize(model, "fp8", block=block)

@@ -27,7 +27,7 @@ any FP8 training recipe, and ``rewrite`` warns so.
 Block-scaled weights (``block=128``): the same, with ``x`` and ``dY`` quantized in blocks of 1×128
 along the contraction (DeepSeek-V3's recipe) and the weight's 128×128 scales given to the GEMM as
 they are (``torch._scaled_mm``'s block-wise scaling: Hopper's cuBLAS). Shapes whose contraction or
-output dimension is not a multiple of 16 (128 for block scales) decode the weight instead.
+output dimension is not a multiple of 16 (512 for block scales: ``_fits``) decode the weight instead.
 """
 from __future__ import annotations
 
@@ -130,16 +130,26 @@ def transpose_bytes(src: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def _fits(in_features: int, out_features: int, block: int = 0) -> bool:
-    align = block or ALIGN
+    """Whether the FP8 GEMMs take a weight of these sizes: multiples of 16; with block scales,
+    multiples of 4 blocks (cuBLAS reads the block-scale matrices with a leading dimension padded to
+    4: other sizes give wrong numbers, measured on the H100)."""
+    align = 4 * block if block else ALIGN
     return in_features % align == 0 and out_features % align == 0
 
 
+BLOCK_ROWS = 128  # block-scaled GEMMs take row counts that are a multiple of this (cuBLAS: others fail or err)
+
+
 def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """``x`` [M, K] as float8_e4m3fn values and an fp32 scale per 1×``block`` block [M, K/block], laid
-    out column-major (what ``torch._scaled_mm`` takes): ``quantize_rows`` over rows of ``block``."""
+    """``x`` [M, K] as float8_e4m3fn values and an fp32 scale per 1×``block`` block, laid out
+    column-major (what ``torch._scaled_mm`` takes), with zero rows (scale 1) appended up to a
+    multiple of ``BLOCK_ROWS``: ``[M', K]`` and ``[M', K/block]``; ``quantize_rows`` over rows of ``block``."""
     rows, cols = x.shape
-    q, scale = quantize_rows(x.reshape(rows * cols // block, block))
-    return q.reshape(rows, cols), scale.reshape(rows, cols // block).t().contiguous().t()
+    padded = -(-rows // BLOCK_ROWS) * BLOCK_ROWS
+    if padded != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+    q, scale = quantize_rows(x.reshape(padded * cols // block, block))
+    return q.reshape(padded, cols), scale.reshape(padded, cols // block).t().contiguous().t()
 
 
 def lora_linear_fp8(x: Tensor, bits: Tensor, w_scale: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
@@ -158,6 +168,7 @@ def lora_linear_fp8(x: Tensor, bits: Tensor, w_scale: Tensor, bias: Tensor | Non
     if block:
         xq, xs = quantize_blocks(x2, block)
         y = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().t(), out_dtype=x.dtype)
+        y = y[: x2.shape[0]]
     else:
         xq, xs = quantize_rows(x2)
         y = torch._scaled_mm(xq, bits.view(FP8).t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1),
@@ -193,6 +204,7 @@ def lora_linear_fp8_backward(grad_y: Tensor, lora_in: Tensor, lora_u: Tensor, bi
             gq, gs = quantize_blocks(gy2, block)
             w_scales = w_scale.float().t().contiguous().t()
             grad_x = torch._scaled_mm(gq, weight_t.t(), scale_a=gs, scale_b=w_scales, out_dtype=grad_y.dtype)
+            grad_x = grad_x[: gy2.shape[0]]
         else:
             gq, gs = quantize_rows(gy2, w_scale.reshape(-1))
             ones = torch.ones((1, in_features), dtype=torch.float32, device=gy2.device)
