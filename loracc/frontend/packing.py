@@ -1,8 +1,8 @@
 """Padded causal-LM batches run packed: each row's real tokens laid end to end in fewer rows.
 
 A collator that pads every row to the batch's longest (Trainer's default, ``DataCollatorForSeq2Seq``,
-TRL without packing) makes the decoder compute its pad tokens too: with lengths drawn from a real
-dataset, often a third to a half of a batch. ``pack`` moves the real tokens of a right-padded batch
+TRL without packing) makes the decoder compute its pad tokens too: where lengths vary, a large
+share of each batch. ``pack`` moves the real tokens of a right-padded batch
 into rows of ``length_bucket(longest)`` tokens (first-fit decreasing), each sequence at the
 positions it had (0, 1, ...), with ``position_ids`` and no attention mask: the layout of
 ``DataCollatorWithFlattening``, in which transformers' mask functions let each token attend only
