@@ -25,7 +25,7 @@ from .capture.trace_cache import Traced, cached_trace
 from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
 from .errors import LoraccError
 from .passes import CONTRACTS, FORWARD_PASSES, PassResult, fusion, memory_plan, partition, remat
-from .passes.remat import Reserve
+from .passes.remat import SEARCH, Reserve
 from .passes.memory_plan import MemoryPlanReport
 
 
@@ -44,6 +44,10 @@ class Program:
     reports: dict[str, object] = field(default_factory=dict)
     compile_seconds: float = 0.0
     generic_key: tuple | None = None  # a symbolic program: the calls it may serve (runtime._generic_key)
+    n_state: int = 0  # how many leading inputs are the module's parameters and buffers
+    # The runtime's reasons for running a stage from Python, with the graph modes they apply to
+    # (runtime.region._without_graphs), kept for a program compiled again from this one's trace.
+    graph_rules: list = field(default_factory=list)
 
     @property
     def dynamic(self) -> bool:
@@ -57,7 +61,8 @@ class Program:
 
 def compile_call(
     module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
-    memory_budget=None, repeats: int = 1, reserved_bytes: Reserve | int | None = None, dynamic: bool = False,
+    memory_budget=None, repeats: int = 1, reserved_bytes: Reserve | int | None = None, price=SEARCH,
+    dynamic: bool = False,
 ) -> Program:
     """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
 
@@ -67,7 +72,8 @@ def compile_call(
 
     ``memory_budget`` is what ``loracc.compile`` took; a byte limit also needs ``repeats`` (how many
     times a step runs this program: a block region's number of layers) and ``reserved_bytes`` (what
-    the rest of the step holds meanwhile), see ``passes.remat``.
+    the rest of the step holds meanwhile), and may come with a ``price`` (the step's, once settled),
+    see ``passes.remat``.
     """
     start = time.perf_counter()
     check = checking_passes()
@@ -85,12 +91,44 @@ def compile_call(
             check_ensures(name, path, stage, stages[previous], PassResult(stages[name], reports[name]))
             previous = name
     reports["trace_cache"] = cache_report
+    program = lower(captured, stages, reports, needs_grad, len(state), backend, path=path, repeats=repeats,
+                    memory_budget=memory_budget, reserved_bytes=reserved_bytes, price=price, check=check)
+    program.compile_seconds = time.perf_counter() - start
+    return program
+
+
+def replan(program: Program, backend, *, repeats: int, price, memory_budget=None, path: str = "") -> Program:
+    """``program`` compiled again from its traced joint graph with remat's plan at ``price`` (a
+    price of ``passes.remat.PRICES``, ``FASTEST`` included; ``runtime.memory.StepMemory.settle`` chooses it for every
+    region of a step at once): a new ``Program`` computing the same call, the old one untouched
+    (a backward still to run with what its forward saved runs the old one). ``memory_budget``: the
+    budget the price was chosen for, for the report."""
+    start = time.perf_counter()
+    needs_grad = [i in program.grad_inputs for i in range(program.n_inputs)]
+    traced = ("captured", *(p.__name__ for p in FORWARD_PASSES), "joint")
+    stages = {name: program.stages[name] for name in traced}
+    reports = {name: report for name, report in program.reports.items()
+               if name in traced or name == "trace_cache"}
+    new = lower(program.captured, stages, reports, needs_grad, program.n_state, backend, path=path,
+                repeats=repeats, memory_budget=memory_budget, price=price, check=checking_passes())
+    new.generic_key, new.compile_seconds = program.generic_key, time.perf_counter() - start
+    return new
+
+
+def lower(captured: CapturedForward, stages: dict, reports: dict, needs_grad: list[bool], n_state: int, backend, *,
+          path: str, repeats: int, memory_budget=None, reserved_bytes: Reserve | int | None = None, price=SEARCH,
+          check: bool = False) -> Program:
+    """The stages after the trace: remat (``memory_budget``, ``repeats``, ``reserved_bytes`` or
+    ``price`` as ``passes.remat.remat`` takes them) → partition → fusion → memory plan → codegen,
+    from a traced call's ``stages`` and ``reports`` (up to ``"joint"``; copied, never changed).
+    ``n_state``: how many leading inputs are the module's state; ``check``: check each pass's contract."""
+    stages, reports = dict(stages), dict(reports)
     out_vals = [o.meta["val"] for o in output_node(stages["captured"]).args[0]]
     n_outputs = len(out_vals)
     joint = copy_graph(stages["joint"])  # remat marks its cut on the copy; partition reads it
     if check:
         check_requires("remat", path, "joint graph", joint, n_outputs)
-    marked = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes)
+    marked = remat(joint, n_outputs, memory_budget, repeats=repeats, reserved_bytes=reserved_bytes, price=price)
     if check:
         check_ensures("remat", path, "joint graph", stages["joint"], marked, n_outputs)
     reports["remat"] = marked.report
@@ -125,18 +163,18 @@ def compile_call(
     # A layer's parameters are the same tensors at every call, and so is what its forward saves
     # (replayed as CUDA graphs: read in place, see runtime/cuda_graphs.py).
     n_saved = len(output_node(parts.forward).args[0]) - n_outputs
-    forward = backend.compile(parts.forward, "forward", repeats=repeats, fixed_inputs=len(state), lend_from=n_outputs)
+    forward = backend.compile(parts.forward, "forward", repeats=repeats, fixed_inputs=n_state, lend_from=n_outputs)
     return Program(
         captured=captured,
         forward=forward,
         backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats, fixed_inputs=n_saved),
-        n_inputs=len(inputs),
+        n_inputs=len(needs_grad),
         n_outputs=n_outputs,
         differentiable=[v.is_floating_point() for v in out_vals],
         grad_inputs=[i for i, g in enumerate(needs_grad) if g],
         stages=stages,
         reports=reports,
-        compile_seconds=time.perf_counter() - start,
+        n_state=n_state,
     )
 
 

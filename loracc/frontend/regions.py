@@ -73,9 +73,9 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def install(model: nn.Module, state: CompiledState) -> None:
     head = causal_lm(model)
-    # A region's byte budget plans against what the rest of the step holds (StepMemory.reserved_bytes).
-    reserved = StepMemory(state.regions, state.persistent_bytes,
-                          head_vocab=head[0].config.vocab_size if head is not None else None).reserved_bytes
+    # A region's byte budget plans against what the rest of the step holds (StepMemory).
+    step = StepMemory(state.regions, state.persistent_bytes,
+                      head_vocab=head[0].config.vocab_size if head is not None else None)
     blocks = _find_block_lists(model)
     for list_path, owner, layers in blocks:
         for group in _group_layers(layers):
@@ -83,7 +83,7 @@ def install(model: nn.Module, state: CompiledState) -> None:
             region = Region(
                 name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
                 kind="block", modules=paths, backend=state.backend, memory_budget=state.memory_budget,
-                reserved_bytes=reserved,
+                step=step,
             )
             state.regions.append(region)
             for (index, layer), path in zip(group, paths):
@@ -102,12 +102,12 @@ def install(model: nn.Module, state: CompiledState) -> None:
         lm, base = head
         region = Region(name="head (final norm + vocabulary projection + loss)", kind="head",
                         modules=["norm", "lm_head", "loss"], backend=state.backend,
-                        memory_budget=state.memory_budget, reserved_bytes=reserved)
+                        memory_budget=state.memory_budget, step=step)
         state.regions.append(region)
         patch(state, lm, HeadForward(region, lm, base, state.regions))
     if not state.regions:
         region = Region(name=f"model ({type(model).__name__})", kind="model", modules=[""], backend=state.backend,
-                        memory_budget=state.memory_budget, reserved_bytes=reserved)
+                        memory_budget=state.memory_budget, step=step)
         state.regions.append(region)
         patch(state, model, _BlockForward(region, model, type(model).__name__))
 

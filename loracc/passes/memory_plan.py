@@ -250,6 +250,13 @@ class RegionMemory:
     backward_peak_bytes: int
     tangent_bytes: int
 
+    @property
+    def transient_bytes(self) -> int:
+        """The most this region holds beyond its saved values at any time of its run: its forward's
+        peak less what it saves (its inputs kept), or its backward's peak with its incoming gradients."""
+        return max(self.forward_peak_bytes - (self.saved_bytes - self.saved_input_bytes),
+                   self.tangent_bytes + self.backward_peak_bytes)
+
 
 def step_peak_bytes(regions: list[RegionMemory], persistent_bytes: int = 0) -> int:
     """The peak memory of a training step that runs ``regions``, over ``persistent_bytes`` (weights,
@@ -261,12 +268,7 @@ def step_peak_bytes(regions: list[RegionMemory], persistent_bytes: int = 0) -> i
     its incoming gradients and its own peak. The eager glue between regions is not counted.
     """
     held = sum(r.repeats * r.saved_bytes for r in regions)
-    transient = max(
-        (max(r.forward_peak_bytes - (r.saved_bytes - r.saved_input_bytes), r.tangent_bytes + r.backward_peak_bytes)
-         for r in regions),
-        default=0,
-    )
-    return persistent_bytes + held + transient
+    return persistent_bytes + held + max((r.transient_bytes for r in regions), default=0)
 
 
 def activation_bytes(nodes) -> int:

@@ -71,6 +71,7 @@ FASTEST = None  # the price of recomputing a GEMM or attention in the fastest pl
 # than any GEMM) to 2^8 (recompute anything for a byte), then 0 (recompute everything possible).
 PRICES = [FASTEST] + [Fraction(m, 4) * Fraction(2) ** e for e in range(8, -49, -1) for m in (7, 6, 5, 4)] + [Fraction(0)]
 REFINE_STEPS = 10
+SEARCH = "search"  # remat's price when the budget chooses it
 SOURCE, SINK = "source", "sink"
 _save_everything = False
 
@@ -103,6 +104,10 @@ class Reserve:
 
     held: int
     workspace: int = 0
+    # The regions of the step that have not run yet (none compiled, none estimated): nobody knows
+    # their bytes, so a byte budget plans this region to save the least until they have
+    # (``runtime.memory.StepMemory.settle`` then plans every region at one price).
+    unknown: tuple[str, ...] = ()
 
     def peak(self, region_peak: int, region_held: int) -> int:
         """The step's peak with a region whose own step peak (``step_peak_bytes`` of it alone) is
@@ -111,22 +116,31 @@ class Reserve:
 
 
 def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 1,
-          reserved_bytes: int | Reserve | None = None) -> PassResult:
-    """Mark the cut for ``budget`` (anything ``parse_budget`` takes) on ``joint``.
+          reserved_bytes: int | Reserve | None = None, price=SEARCH) -> PassResult:
+    """Mark the cut for ``budget`` (anything ``parse_budget`` takes) on ``joint``, or for ``price``.
 
     A byte limit needs ``repeats`` (how many times a step runs this region: its number of layers) and
     ``reserved_bytes`` (what the rest of the step holds meanwhile: a ``Reserve``, or an int of bytes
     all held throughout): the plan is the fastest whose step peak fits: the reserve's held bytes,
     this region's saved bytes times ``repeats``, and the larger of this region's workspace and the
-    reserve's (``Reserve.peak``; ``memory_plan.step_peak_bytes``). ``LoraccError`` if none fits,
-    naming the peak that recomputing everything possible reaches.
+    reserve's (``Reserve.peak``; ``memory_plan.step_peak_bytes``). While the reserve names regions
+    of the step that have not run yet (``Reserve.unknown``), the plan is the one that saves the least
+    (price 0), reported as provisional. ``LoraccError`` if none fits, naming the peak that
+    recomputing everything possible reaches.
+
+    ``price``: ``SEARCH`` (the plan the budget asks for), or a price of ``PRICES`` (``FASTEST``
+    included), as ``search_prices`` returns one: the price ``runtime.memory.StepMemory.settle``
+    chose for every region of a step at once. Without a reserve, the plan at that price, whatever
+    the budget; with a byte limit and its reserve, that plan if its step fits, else the search's.
     """
     start = time.perf_counter()
     budget = parse_budget(budget)
     problem = Cut(joint, n_outputs)
     fastest = problem.plan(FASTEST)
     report = {"budget": str(budget), "fastest plan saved bytes": fastest.saved_bytes}
-    if budget.fraction is not None:
+    if price is not SEARCH and (budget.limit_bytes is None or reserved_bytes is None):
+        plan = problem.plan(price)
+    elif budget.fraction is not None:
         target = int(budget.fraction * fastest.saved_bytes)
         plan = problem.search(lambda p: p.saved_bytes <= target)
     elif budget.limit_bytes is not None:
@@ -140,7 +154,13 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
         def step_peak(p: Plan) -> int:
             return reserve.peak(problem.peak(p, repeats), repeats * p.saved_bytes)
 
-        plan = problem.search(lambda p: step_peak(p) <= budget.limit_bytes)
+        if reserve.unknown:
+            plan = problem.plan(PRICES[-1])
+            report["provisional"] = list(reserve.unknown)
+        elif price is not SEARCH and step_peak(problem.plan(price)) <= budget.limit_bytes:
+            plan = problem.plan(price)
+        else:
+            plan = problem.search(lambda p: step_peak(p) <= budget.limit_bytes)
         peak = step_peak(plan)
         if peak > budget.limit_bytes:
             raise LoraccError(
@@ -160,7 +180,7 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
     problem.mark(plan)
     recomputed = backward_nodes(joint, n_outputs, set(plan.saved))
     report.update({
-        "price": "inf" if plan.price is FASTEST else float(plan.price),
+        "price": report_price(plan.price),
         "saved bytes": plan.saved_bytes,
         "saved": len(plan.saved),
         "recomputed": len([n for n in recomputed if info(n).get("phase") == "forward"]),
@@ -178,7 +198,7 @@ class Plan:
     price: Fraction | None
     saved: list[fx.Node]
     saved_bytes: int
-    peak_bytes: dict = field(default_factory=dict)  # region peak by number of repeats, once computed
+    memory: dict = field(default_factory=dict)  # RegionMemory by number of repeats, once computed
 
 
 class Cut:
@@ -213,36 +233,16 @@ class Cut:
         return self.plans[price]
 
     def search(self, fits) -> Plan:
-        """The plan at the highest price that ``fits``, assuming fit is monotone in the price; the
-        lowest-price plan if none fits. Prices come from a fixed set (``PRICES``, each step halved
-        ``REFINE_STEPS`` times), so a looser budget never gets a lower price."""
-        lo, hi = 0, len(PRICES) - 1  # PRICES falls from index 0; find the first index that fits
-        if fits(self.plan(PRICES[lo])):
-            return self.plan(PRICES[lo])
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(self.plan(PRICES[mid])):
-                hi = mid
-            else:
-                lo = mid
-        if PRICES[lo] is FASTEST:
-            return self.plan(PRICES[hi])
-        high, low = PRICES[lo], PRICES[hi]
-        for _ in range(REFINE_STEPS):
-            mid = (high + low) / 2
-            if fits(self.plan(mid)):
-                low = mid
-            else:
-                high = mid
-        return self.plan(low)
+        """The plan at the highest price that ``fits`` (``search_prices``)."""
+        return self.plan(search_prices(lambda price: fits(self.plan(price))))
 
-    def peak(self, plan: Plan, repeats: int) -> int:
-        """The step peak this region adds when it runs ``repeats`` times, from the liveness of the
-        nodes each graph would run (``step_peak_bytes``)."""
-        if repeats not in plan.peak_bytes:
+    def memory(self, plan: Plan, repeats: int) -> RegionMemory:
+        """What this region adds to a step under ``plan`` when it runs ``repeats`` times, from the
+        liveness of the nodes each graph would run."""
+        if repeats not in plan.memory:
             saved = set(plan.saved)
             outputs = list(output_node(self.joint).args[0])
-            region = RegionMemory(
+            plan.memory[repeats] = RegionMemory(
                 repeats=repeats,
                 saved_bytes=plan.saved_bytes,
                 saved_input_bytes=activation_bytes(n for n in plan.saved if n.op == "placeholder"),
@@ -251,8 +251,12 @@ class Cut:
                 backward_peak_bytes=peak_bytes(backward_nodes(self.joint, self.n_outputs, saved), outputs[self.n_outputs:]),
                 tangent_bytes=sum(value_bytes(t.meta.get("val")) for t in placeholders(self.joint) if role(t) == "tangent"),
             )
-            plan.peak_bytes[repeats] = step_peak_bytes([region])
-        return plan.peak_bytes[repeats]
+        return plan.memory[repeats]
+
+    def peak(self, plan: Plan, repeats: int) -> int:
+        """The step peak this region adds when it runs ``repeats`` times (``step_peak_bytes`` of
+        ``memory``)."""
+        return step_peak_bytes([self.memory(plan, repeats)])
 
     def mark(self, plan: Plan) -> None:
         for n in self.nodes:
@@ -298,6 +302,37 @@ class Cut:
                               "value that can be neither saved nor recomputed") from exc
         self.solved += 1
         return [n for n in self.nodes if (n, "in") in reachable and (n, "out") not in reachable]
+
+
+def search_prices(fits) -> Fraction | None:
+    """The highest price of ``PRICES`` (refined between two of them by ``REFINE_STEPS`` halvings)
+    whose plan ``fits`` (a predicate of the price), assuming fit is monotone in the price; the
+    lowest price if none fits. Prices come from that fixed set, so a looser budget never gets a
+    lower price."""
+    lo, hi = 0, len(PRICES) - 1  # PRICES falls from index 0; find the first index that fits
+    if fits(PRICES[lo]):
+        return PRICES[lo]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(PRICES[mid]):
+            hi = mid
+        else:
+            lo = mid
+    if PRICES[lo] is FASTEST:
+        return PRICES[hi]
+    high, low = PRICES[lo], PRICES[hi]
+    for _ in range(REFINE_STEPS):
+        mid = (high + low) / 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def report_price(price) -> float | str:
+    """A price as remat's report gives it: a float, ``"inf"`` for ``FASTEST``."""
+    return "inf" if price is FASTEST else float(price)
 
 
 def _save_bytes(node: fx.Node) -> int | None:

@@ -21,7 +21,7 @@ from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
 from ..options import INT8_STATE_BLOCK, parse_optimizer_state
 from ..passes.memory_plan import MemoryPlanReport, step_peak_bytes
-from ..passes.remat import Reserve
+from ..passes.remat import SEARCH, Cut, Reserve, report_price, search_prices
 from ..pipeline import Program
 from .cuda_graphs import Replayer, routes
 
@@ -44,6 +44,7 @@ class StepMemory:
         self.regions = regions
         self.persistent_bytes = persistent_bytes
         self.head_vocab = head_vocab
+        self.price = SEARCH  # the remat price every region's byte budget plans at, once settled (``settle``)
 
     def runs(self, excluding: Region | None = None) -> list[tuple[Program, int]]:
         """Each compiled region's latest program with its repeats, in region order, but ``excluding``'s."""
@@ -65,19 +66,58 @@ class StepMemory:
         two rather than their sum. For a block while the head is not compiled yet (blocks compile
         first), the fused head counts by its estimate from the block's input ``tensors[0]`` (the
         hidden state, ``head_estimate``). The head then plans against the blocks' exact bytes.
-        ``held`` is never less than ``persistent_bytes``."""
+        ``held`` is never less than ``persistent_bytes``. ``unknown``: the other regions never called
+        yet (the head excepted where its estimate counts): their bytes are nobody's guess."""
         held, workspace = self.persistent_bytes, 0
         for program, repeats in self.runs(region):
             memory = _memory(program).region(repeats)
-            saved = repeats * memory.saved_bytes
-            held += saved
-            workspace = max(workspace, step_peak_bytes([memory]) - saved)
+            held += repeats * memory.saved_bytes
+            workspace = max(workspace, memory.transient_bytes)
         head = next((r for r in self.regions if r.kind == "head"), None)
-        if region.kind == "block" and head is not None and head.latest is None and tensors and self.head_vocab:
+        estimated = region.kind == "block" and head is not None and head.latest is None and tensors and self.head_vocab
+        if estimated:
             estimate = head_estimate(tensors[0], self.head_vocab)
             held += estimate.held
             workspace = max(workspace, estimate.workspace)
-        return Reserve(held, workspace)
+        unknown = tuple(r.name for r in self.regions
+                        if r is not region and not r.programs and not (estimated and r is head))
+        return Reserve(held, workspace, unknown)
+
+    def settle(self, limit_bytes: int) -> float | str | None:
+        """Once every region has been called, plan every region at one price under ``limit_bytes``
+        if some region's program was planned provisionally (to save the least, while regions of the
+        step had not run: ``Reserve.unknown``). One price for all is what a byte budget should buy:
+        the cut minimising saved bytes plus price times recomputed FLOPs, summed over the regions, is
+        each region's cut at that price. The price is the highest (``passes.remat.search_prices``)
+        whose step fits: the persistent bytes, every region's saved bytes at that price times its
+        repeats, and the largest transient of any region, at that price or as its current program
+        has it (a region's program replaced while a step runs still runs that step's backwards: the
+        step mixes both). Regions whose program's price differs are compiled again at it
+        (``Region.replan``; from their next call); programs compiled later plan at it where their
+        step fits (``price``). Returns the price chosen as remat reports it
+        (``passes.remat.report_price``), None if there was nothing to settle or no price fits (the provisional
+        plans stay, as they fit)."""
+        runs = [(r, r.latest) for r in self.regions if r.latest is not None]
+        if any(not r.programs for r in self.regions) or not any(_provisional(p) for r in self.regions
+                                                                 for p in r.compiled_programs):
+            return None
+        cuts = [(r, Cut(p.stages["joint"], p.n_outputs), _memory(p).region(r.repeats)) for r, p in runs]
+
+        def peak(price) -> int:
+            held = transient = 0
+            for region, cut, current in cuts:
+                memory = cut.memory(cut.plan(price), region.repeats)
+                held += memory.repeats * memory.saved_bytes
+                transient = max(transient, memory.transient_bytes, current.transient_bytes)
+            return self.persistent_bytes + held + transient
+
+        price = search_prices(lambda p: peak(p) <= limit_bytes)
+        if peak(price) > limit_bytes:
+            return None
+        chosen, self.price = report_price(price), price
+        for region, _, _ in cuts:
+            region.replan(price, chosen)
+        return chosen
 
 
 def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:
@@ -172,3 +212,8 @@ def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int)
 
 def _memory(program: Program) -> MemoryPlanReport:
     return program.reports["memory_plan"]
+
+
+def _provisional(program: Program) -> bool:
+    """Whether remat planned ``program`` to save the least because regions of the step had not run."""
+    return bool(program.reports["remat"].get("provisional"))

@@ -18,7 +18,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,10 +26,14 @@ from torch import nn
 from .. import _compat
 from ..capture.trace import call_signature, module_state, tensor_key
 from ..errors import Unsupported
-from ..passes.remat import Reserve
-from ..pipeline import Program, compile_call
+from ..options import parse_budget
+from ..passes.remat import SEARCH
+from ..pipeline import Program, compile_call, replan
 from . import verify as verification
 from .cuda_graphs import Replayer, check_lease, share_decisions
+
+if TYPE_CHECKING:
+    from .memory import StepMemory
 
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
@@ -100,8 +104,9 @@ class Region:
     modules: list[str]
     backend: object
     memory_budget: object = None
-    # What the rest of the step holds while this region runs, given the region and the call's tensors.
-    reserved_bytes: Callable[["Region", list], Reserve | int] | None = None
+    # The step's memory (runtime.memory.StepMemory): what the rest of the step holds while this
+    # region runs, for a byte budget, and the plan of every region at one price once all have run.
+    step: "StepMemory | None" = None
     programs: dict = field(default_factory=dict)  # call key → its program (None: runs eagerly)
     dynamic_programs: list = field(default_factory=list)  # the symbolic programs, in compile order
     captures: int = 0
@@ -240,8 +245,8 @@ class Region:
         try:
             program = compile_call(
                 module, path, signature, state, self.backend, memory_budget=self.memory_budget,
-                repeats=self.repeats, reserved_bytes=self.reserved_bytes(self, signature.tensors) if self.reserved_bytes else None,
-                dynamic=dynamic,
+                repeats=self.repeats, reserved_bytes=self.step.reserved_bytes(self, signature.tensors) if self.step else None,
+                price=self.step.price if self.step else SEARCH, dynamic=dynamic,
             )
         except Unsupported as exc:
             self._fall_back(path, str(exc))
@@ -280,6 +285,10 @@ class Region:
             elif compiled:
                 share_decisions(compiled[0], program)
         self.programs[key] = program
+        limit = parse_budget(self.memory_budget).limit_bytes
+        if self.step is not None and limit is not None:
+            self.step.settle(limit)
+            program = self.programs[key]  # settling may have compiled it again
         self.captures += 1
         if self.captures >= RECOMPILE_WARNING_AT and not self._warned_storm:
             self._warned_storm = True
@@ -291,6 +300,32 @@ class Region:
                 stacklevel=4,
             )
         return program
+
+    def replan(self, price, reported) -> None:
+        """Compile each of this region's programs whose remat plan is not at ``price`` again from
+        its traced graphs at that price (``pipeline.replan``), in its place: the region's next calls
+        run the new program, calls already made finish their backward with the old one.
+        ``reported``: the price as remat's report gives it (``passes.remat.report_price``)."""
+        replaced = {}
+        for old in self.compiled_programs:
+            if old.reports["remat"]["price"] == reported:  # already this plan: no longer provisional
+                old.reports["remat"].pop("provisional", None)
+                continue
+            new = replan(old, self.backend, repeats=self.repeats, price=price, memory_budget=self.memory_budget,
+                         path=self.name)
+            for why, modes in old.graph_rules:
+                _without_graphs(new, why, modes)
+            self.compile_seconds += new.compile_seconds
+            replaced[id(old)] = new
+        if not replaced:
+            return
+        self.programs = {k: p if p is None else replaced.get(id(p), p) for k, p in self.programs.items()}
+        self.dynamic_programs = [replaced.get(id(p), p) for p in self.dynamic_programs]
+        static = [p for p in self.compiled_programs if not p.dynamic]
+        for later in static[1:AUTO_GRAPHED_SIGNATURES]:
+            share_decisions(static[0], later)
+        self.notes.append(f"memory_budget: {len(replaced)} program(s) compiled again at the step's remat price "
+                          f"{reported} once every region had run (planned to save the least until then)")
 
     def _fall_back(self, path: str, reason: str) -> None:
         if not any(f.module == path and f.reason == reason for f in self.fallbacks):
@@ -328,7 +363,9 @@ def _gathers_weights(module: nn.Module) -> bool:
 
 
 def _without_graphs(program: Program, why: str, modes: tuple[str, ...] = ("on", "auto")) -> None:
-    """``program``'s stages whose graph mode is in ``modes`` run from Python, for the reason ``why``."""
+    """``program``'s stages whose graph mode is in ``modes`` run from Python, for the reason ``why``
+    (kept in ``program.graph_rules`` for a program compiled again from it)."""
+    program.graph_rules.append((why, modes))
     for stage in ("forward", "backward"):
         fn = getattr(program, stage)
         if isinstance(fn, Replayer) and fn.mode in modes:
