@@ -224,6 +224,9 @@ def _loracc_notes(peft_model, budget, state: str = "fp32") -> str:
     recompiles = [f"{r.name}: {reason}" for r in explained.regions for reason in r.recompiles]
     traces = [t for r in explained.regions for t in r.traces]
     read = sum("read from the trace cache" in t for t in traces)
+    settled = sorted({n.split(" at ", 1)[1].split(" once", 1)[0] for r in explained.regions for n in r.notes
+                      if n.startswith("memory_budget:")})
+    predicted = explained.predicted_peak_bytes
     uncached = sorted({t.split("traced, not cached: ", 1)[1] for t in traces if "traced, not cached: " in t})
     return (f"memory_budget={budget!r}, " + ("AdamW moments int8, " if state == "int8" else "")
             + f"backend {explained.backend}, "
@@ -231,6 +234,8 @@ def _loracc_notes(peft_model, budget, state: str = "fp32") -> str:
             f"compiled in {sum(r.compile_seconds for r in explained.regions):.1f} s "
             f"({read} of {len(traces)} programs' graphs read from the trace cache), "
             f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}"
+            + (f"; predicted peak {predicted / 2**30:.2f} GiB" if predicted else "")
+            + (f"; regions planned again at {', '.join(settled)}" if settled else "")
             + (f"; not kept in the trace cache: {'; '.join(uncached)}" if uncached else "")
             + (f"; recompiled: {'; '.join(recompiles)}" if recompiles else "")
             + (f"; CUDA graphs: {'; '.join(graphs)}" if graphs else ""))

@@ -229,8 +229,8 @@ def test_under_a_budget_every_layer_call_runs_compiled_from_the_first():
 
 def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run():
     """Flux's double blocks run before its single blocks: planned first under a byte budget, they
-    cannot know what the single blocks will need, so they save the least (provisional) until every
-    region has run; then every region is planned at the one price whose step fits, and the regions
+    cannot know what the single blocks will need, so their plan is provisional until every region
+    has run; then every region is planned at the one price whose step fits, and the regions
     planned otherwise are compiled again. A limit between the smallest and the fastest step trains
     with eager's gradients, before and after the regions were compiled again, within the limit."""
     pytest.importorskip("diffusers")

@@ -162,6 +162,29 @@ def test_saved_bytes_fall_monotonically_with_a_byte_limit(block):
         remat(joint, n_outputs, "8GB")
 
 
+@pytest.mark.parametrize("repeats", [1, 64])
+def test_a_region_planned_before_others_have_run_takes_the_smaller_own_peak(block, repeats):
+    """With regions of the step not run yet (``Reserve.unknown``) a byte limit plans provisionally:
+    of the fastest plan and the least-saving one, the one whose own step peak is smaller (saved bytes
+    times the runs, and the largest transient: run once, this layer peaks lower saving everything;
+    run 64 times, saving the least), or the least-saving one where the other does not fit."""
+    from loracc.passes.remat import PRICES, Reserve
+
+    _, joint, n_outputs = block
+    cut = Cut(joint, n_outputs)
+    fastest, least = cut.plan(FASTEST), cut.plan(PRICES[-1])
+    chosen = fastest if cut.peak(fastest, repeats) < cut.peak(least, repeats) else least
+    assert (chosen is fastest) == (repeats == 1)
+    reserve = Reserve(2**20, 0, unknown=("later",))
+    report = remat(joint, n_outputs, 2**40, repeats=repeats, reserved_bytes=reserve).report
+    assert report["provisional"] == ["later"] and report["saved bytes"] == chosen.saved_bytes
+    if chosen is fastest:  # another region's workspace beside what this one holds: only the least-saving plan fits
+        busy = Reserve(2**20, cut.peak(least, repeats), unknown=("later",))
+        limit = busy.peak(cut.peak(least, repeats), repeats * least.saved_bytes)
+        assert busy.peak(cut.peak(fastest, repeats), repeats * fastest.saved_bytes) > limit
+        assert remat(joint, n_outputs, limit, repeats=repeats, reserved_bytes=busy).report["saved bytes"] == least.saved_bytes
+
+
 def test_the_cut_is_the_same_with_every_maximum_flow_algorithm(block, monkeypatch):
     """The source side of the cut (what cannot reach the sink in the residual network) is the same
     for every maximum flow: networkx's default algorithm gives the plan the faster one gives, at

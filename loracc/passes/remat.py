@@ -105,7 +105,7 @@ class Reserve:
     held: int
     workspace: int = 0
     # The regions of the step that have not run yet (none compiled, none estimated): nobody knows
-    # their bytes, so a byte budget plans this region to save the least until they have
+    # their bytes, so a byte budget plans this region provisionally until they have
     # (``runtime.memory.StepMemory.settle`` then plans every region at one price).
     unknown: tuple[str, ...] = ()
 
@@ -124,8 +124,11 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
     all held throughout): the plan is the fastest whose step peak fits: the reserve's held bytes,
     this region's saved bytes times ``repeats``, and the larger of this region's workspace and the
     reserve's (``Reserve.peak``; ``memory_plan.step_peak_bytes``). While the reserve names regions
-    of the step that have not run yet (``Reserve.unknown``), the plan is the one that saves the least
-    (price 0), reported as provisional. ``LoraccError`` if none fits, naming the peak that
+    of the step that have not run yet (``Reserve.unknown``), the plan is provisional: of the fastest
+    plan and the one that saves the least (price 0), the one whose own step peak (``Cut.peak``: its
+    saved bytes times ``repeats`` and its largest transient) is smaller, if its step fits, else the
+    least-saving one. (The least-saving plan's backward recomputes the forward: its transient can
+    exceed the fastest plan's, and a region run once a step may peak lower saving everything.) ``LoraccError`` if none fits, naming the peak that
     recomputing everything possible reaches.
 
     ``price``: ``SEARCH`` (the plan the budget asks for), or a price of ``PRICES`` (``FASTEST``
@@ -154,8 +157,11 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
         def step_peak(p: Plan) -> int:
             return reserve.peak(problem.peak(p, repeats), repeats * p.saved_bytes)
 
-        if reserve.unknown:
-            plan = problem.plan(PRICES[-1])
+        if reserve.unknown:  # the smaller own peak of the fastest plan and the least-saving one, if it fits
+            least = problem.plan(PRICES[-1])
+            plan = min((fastest, least), key=lambda p: (problem.peak(p, repeats), p is fastest))
+            if step_peak(plan) > budget.limit_bytes:
+                plan = least
             report["provisional"] = list(reserve.unknown)
         elif price is not SEARCH and step_peak(problem.plan(price)) <= budget.limit_bytes:
             plan = problem.plan(price)

@@ -85,8 +85,8 @@ class StepMemory:
 
     def settle(self, limit_bytes: int) -> float | str | None:
         """Once every region has been called, plan every region at one price under ``limit_bytes``
-        if some region's program was planned provisionally (to save the least, while regions of the
-        step had not run: ``Reserve.unknown``). One price for all is what a byte budget should buy:
+        if some region's program was planned provisionally (while regions of the step had not run:
+        ``Reserve.unknown``). One price for all is what a byte budget should buy:
         the cut minimising saved bytes plus price times recomputed FLOPs, summed over the regions, is
         each region's cut at that price. The price is the highest (``passes.remat.search_prices``)
         whose step fits: the persistent bytes, every region's saved bytes at that price times its
@@ -215,5 +215,5 @@ def _memory(program: Program) -> MemoryPlanReport:
 
 
 def _provisional(program: Program) -> bool:
-    """Whether remat planned ``program`` to save the least because regions of the step had not run."""
+    """Whether remat planned ``program`` provisionally because regions of the step had not run."""
     return bool(program.reports["remat"].get("provisional"))

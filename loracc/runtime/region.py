@@ -325,7 +325,7 @@ class Region:
         for later in static[1:AUTO_GRAPHED_SIGNATURES]:
             share_decisions(static[0], later)
         self.notes.append(f"memory_budget: {len(replaced)} program(s) compiled again at the step's remat price "
-                          f"{reported} once every region had run (planned to save the least until then)")
+                          f"{reported} once every region had run (planned provisionally until then)")
 
     def _fall_back(self, path: str, reason: str) -> None:
         if not any(f.module == path and f.reason == reason for f in self.fallbacks):
