@@ -45,6 +45,8 @@ class StepMemory:
         self.persistent_bytes = persistent_bytes
         self.head_vocab = head_vocab
         self.price = SEARCH  # the remat price every region's byte budget plans at, once settled (``settle``)
+        self.in_flight = 0  # compiled region calls whose backward has not run yet
+        self.settled = False  # every region has run and none is planned provisionally
 
     def runs(self, excluding: Region | None = None) -> list[tuple[Program, int]]:
         """Each compiled region's latest program with its repeats, in region order, but ``excluding``'s."""
@@ -84,38 +86,35 @@ class StepMemory:
         return Reserve(held, workspace, unknown)
 
     def settle(self, limit_bytes: int) -> float | str | None:
-        """Once every region has been called, plan every region at one price under ``limit_bytes``
-        if some region's program was planned provisionally (while regions of the step had not run:
-        ``Reserve.unknown``). One price for all is what a byte budget should buy:
-        the cut minimising saved bytes plus price times recomputed FLOPs, summed over the regions, is
-        each region's cut at that price. The price is the highest (``passes.remat.search_prices``)
-        whose step fits: the persistent bytes, every region's saved bytes at that price times its
-        repeats, and the largest transient of any region, at that price or as its current program
-        has it (a region's program replaced while a step runs still runs that step's backwards: the
-        step mixes both). Regions whose program's price differs are compiled again at it
-        (``Region.replan``; from their next call); programs compiled later plan at it where their
-        step fits (``price``). Returns the price chosen as remat reports it
-        (``passes.remat.report_price``), None if there was nothing to settle or no price fits (the provisional
-        plans stay, as they fit)."""
-        runs = [(r, r.latest) for r in self.regions if r.latest is not None]
-        if any(not r.programs for r in self.regions) or not any(_provisional(p) for r in self.regions
-                                                                 for p in r.compiled_programs):
+        """Plan every region at one price under ``limit_bytes``, once: when every region has been
+        called, some region's program was planned provisionally (while regions of the step had not
+        run: ``Reserve.unknown``) and no compiled call waits for its backward (``in_flight``: the
+        regions' calls run it at the start of the next step, whose programs then all plan alike).
+        One price for all is what a byte budget should buy: the cut minimising saved bytes plus
+        price times recomputed FLOPs, summed over the regions, is each region's cut at that price.
+        The price is the highest (``passes.remat.search_prices``) whose step fits: the persistent
+        bytes, every region's saved bytes at that price times its repeats, and the largest
+        transient of any region at that price. Regions whose program's price differs are compiled
+        again at it (``Region.replan``); programs compiled later plan at it where their step fits
+        (``price``). Returns the price chosen as remat reports it (``passes.remat.report_price``),
+        None if there was nothing to settle or no price fits (the provisional plans stay: they fit).
+        A step whose backward never runs leaves the plans provisional."""
+        if self.settled or self.in_flight or any(not r.programs for r in self.regions):
             return None
-        cuts = [(r, Cut(p.stages["joint"], p.n_outputs), _memory(p).region(r.repeats)) for r, p in runs]
+        self.settled = True  # every region has run: no program compiled from now on is provisional
+        if not any(_provisional(p) for r in self.regions for p in r.compiled_programs):
+            return None
+        cuts = [(r, Cut(r.latest.stages["joint"], r.latest.n_outputs)) for r in self.regions if r.latest is not None]
 
         def peak(price) -> int:
-            held = transient = 0
-            for region, cut, current in cuts:
-                memory = cut.memory(cut.plan(price), region.repeats)
-                held += memory.repeats * memory.saved_bytes
-                transient = max(transient, memory.transient_bytes, current.transient_bytes)
-            return self.persistent_bytes + held + transient
+            memories = [cut.memory(cut.plan(price), region.repeats) for region, cut in cuts]
+            return step_peak_bytes(memories, self.persistent_bytes)
 
         price = search_prices(lambda p: peak(p) <= limit_bytes)
         if peak(price) > limit_bytes:
             return None
         chosen, self.price = report_price(price), price
-        for region, _, _ in cuts:
+        for region, _ in cuts:
             region.replan(price, chosen)
         return chosen
 

@@ -58,11 +58,13 @@ log = logging.getLogger("loracc")
 
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, program: Program, *inputs):
+    def forward(ctx, program: Program, step: "StepMemory | None", *inputs):
         with _compat.autocast_off():  # the graphs hold the casts autocast made while they were traced
             results = program.forward(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
-        ctx.program = program
+        ctx.program, ctx.step = program, step
+        if step is not None:  # a backward to come (StepMemory.in_flight)
+            step.in_flight += 1
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
         # reads it in the graph's memory, and releases it.
         ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
@@ -83,10 +85,12 @@ class _RegionFunction(torch.autograd.Function):
                 grads = program.backward(*ctx.saved_tensors, *tangents)
         if lease is not None:
             lease.release()
+        if ctx.step is not None:
+            ctx.step.in_flight -= 1
         result = [None] * program.n_inputs
         for index, grad in zip(program.grad_inputs, grads):
             result[index] = grad
-        return (None, *result)
+        return (None, None, *result)
 
 
 @dataclass
@@ -127,6 +131,9 @@ class Region:
     _promoted: bool = False
     notes: list[str] = field(default_factory=list)  # how calls were served, for ``explain``
 
+    def __post_init__(self):
+        self.limit_bytes = parse_budget(self.memory_budget).limit_bytes  # a byte budget's limit, else None
+
     def run(self, module: nn.Module, path: str, eager_forward, args: tuple, kwargs: dict, reference=None):
         """The module's call, compiled where it can be. ``reference``: what ``eager_forward``
         stands for, where that is itself loracc's (the head's fused loss): verification compares
@@ -135,6 +142,8 @@ class Region:
             return eager_forward(*args, **kwargs)
         if self.mismatch is not None:
             return (reference or eager_forward)(*args, **kwargs)
+        if self.step is not None and self.limit_bytes is not None:
+            self.step.settle(self.limit_bytes)
         try:
             signature = call_signature(args, kwargs)
         except Unsupported as exc:
@@ -159,7 +168,7 @@ class Region:
                                                                                   reference or eager_forward, signature):
             return (reference or eager_forward)(*args, **kwargs)
         self.calls += 1
-        outputs = _RegionFunction.apply(program, *state, *signature.tensors)
+        outputs = _RegionFunction.apply(program, self.step, *state, *signature.tensors)
         return program.captured.rebuild_output(outputs)
 
     def _verify(self, program: Program, module, path, eager_forward, signature) -> bool:
@@ -167,7 +176,7 @@ class Region:
         self._verified[id(program)] = program
         names, state = module_state(module)
         result = verification.verify_call(program, eager_forward, names, state, signature,
-                                          lambda inputs: _RegionFunction.apply(program, *inputs))
+                                          lambda inputs: _RegionFunction.apply(program, None, *inputs))
         self.verifications.append(result)
         if result.passed:
             log.info("region %s: %s", self.name, result.describe())
@@ -285,10 +294,6 @@ class Region:
             elif compiled:
                 share_decisions(compiled[0], program)
         self.programs[key] = program
-        limit = parse_budget(self.memory_budget).limit_bytes
-        if self.step is not None and limit is not None:
-            self.step.settle(limit)
-            program = self.programs[key]  # settling may have compiled it again
         self.captures += 1
         if self.captures >= RECOMPILE_WARNING_AT and not self._warned_storm:
             self._warned_storm = True
