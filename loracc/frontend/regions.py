@@ -5,7 +5,8 @@ Regions:
 - **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules with LoRA (a decoder's
   layers; a hybrid decoder's layers of several classes too), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
   layers whose structure is the same (parameters, flags such as a sliding window) share one region,
-  so a model is captured once however deep it is;
+  in one list or across lists (a UNet's transformer blocks of one width in its down, mid and up
+  blocks), so a model is captured once however deep it is;
 - **head**: for a Hugging Face causal LM, the final norm + vocabulary projection + loss
   (``hf_causal_lm.py``);
 - **model**: a model with neither is one region.
@@ -77,17 +78,14 @@ def install(model: nn.Module, state: CompiledState) -> None:
     step = StepMemory(state.regions, state.persistent_bytes,
                       head_vocab=head[0].config.vocab_size if head is not None else None)
     blocks = _find_block_lists(model)
-    for list_path, owner, layers in blocks:
-        for group in _group_layers(layers):
-            paths = [f"{list_path}.{i}" for i, _ in group]
-            region = Region(
-                name=f"{list_path}[{group[0][0]}..{group[-1][0]}] ({type(group[0][1]).__name__} ×{len(group)})",
-                kind="block", modules=paths, backend=state.backend, memory_budget=state.memory_budget,
-                step=step,
-            )
-            state.regions.append(region)
-            for (index, layer), path in zip(group, paths):
-                patch(state, layer, _BlockForward(region, layer, path))
+    for group in _group_layers([(list_path, index, layer) for list_path, _, layers in blocks for index, layer in layers]):
+        paths = [f"{list_path}.{index}" for list_path, index, _ in group]
+        region = Region(name=_region_name(group), kind="block", modules=paths, backend=state.backend,
+                        memory_budget=state.memory_budget, step=step)
+        state.regions.append(region)
+        for (_, _, layer), path in zip(group, paths):
+            patch(state, layer, _BlockForward(region, layer, path))
+    for _, owner, _ in blocks:
         patch_use_cache(state, owner)
     if head is not None and "forward" in head[0].__dict__:
         # Another library replaced the causal LM's forward on the instance (TRL's SFTTrainer installs
@@ -234,14 +232,27 @@ def _stage(model: nn.Module, list_path: str) -> str:
 
 
 def _group_layers(layers):
-    """Layers grouped by structure (``module_fingerprint``); transformers' output-capturing hooks, which
-    differ from layer to layer and record nothing in a compiled call, are left out of it."""
+    """``(list path, index, layer)`` triples grouped by structure (``module_fingerprint``), across
+    lists too (a UNet's transformer blocks of one width in its down, mid and up blocks: one capture),
+    in order of first appearance; transformers' output-capturing hooks, which differ from layer to
+    layer and record nothing in a compiled call, are left out of it."""
     groups: dict = {}
-    for index, layer in layers:
+    for list_path, index, layer in layers:
         with hf_output_hooks.hidden(layer, root=True):
             fingerprint = module_fingerprint(layer, index)
-        groups.setdefault(fingerprint, []).append((index, layer))
+        groups.setdefault(fingerprint, []).append((list_path, index, layer))
     return list(groups.values())
+
+
+def _region_name(group) -> str:
+    """``list[first..last]`` for each list the group's layers are in, joined by " + ", then the
+    layers' class and number: ``down_blocks.2.attentions[0..1] + mid_block.attentions[0..0]
+    (Transformer2DModel ×3)``."""
+    lists: dict = {}
+    for list_path, index, _ in group:
+        lists.setdefault(list_path, []).append(index)
+    spans = " + ".join(f"{path}[{indices[0]}..{indices[-1]}]" for path, indices in lists.items())
+    return f"{spans} ({type(group[0][2]).__name__} ×{len(group)})"
 
 
 def _is_hf_model(module: nn.Module) -> bool:

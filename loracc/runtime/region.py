@@ -258,7 +258,9 @@ class Region:
                 price=self.step.price if self.step else SEARCH, dynamic=dynamic,
             )
         except Unsupported as exc:
-            self._fall_back(path, str(exc))
+            others = len(self.modules) - 1
+            self._fall_back(path, str(exc) + (f" (so do the {others} other layer(s) of region {self.name} in such "
+                                              "calls: one program serves them all)" if others else ""))
             self.programs[key] = None
             return None
         self.compile_seconds += time.perf_counter() - start
