@@ -271,3 +271,40 @@ def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run()
             assert remats[0]["price"] not in ("inf", 0.0)  # neither the fastest plan nor the smallest
             assert any("compiled again at the step's remat price" in note for note in regions[0].notes)
             assert loracc.explain(compiled).predicted_peak_bytes <= limit
+
+
+def test_a_byte_budget_settles_with_frozen_regions_before_the_first_lora_layer():
+    """A UNet's first ResNet blocks hold no LoRA layer and take no input needing a gradient: their
+    calls have no backward, so they leave nothing waiting for one, and the step settles all the same
+    (every program at one price from the second step on), with eager's gradients."""
+    pytest.importorskip("diffusers")
+    import torch.nn.functional as F
+    from test_diffusion import UNET_TARGETS, tiny_unet, unet_batch, with_lora
+
+    torch.manual_seed(0)
+    base = with_lora(tiny_unet(), UNET_TARGETS)
+
+    def step(model, seed):
+        kwargs, target = unet_batch(torch.Generator().manual_seed(seed))
+        F.mse_loss(model(**kwargs).sample, target).backward()
+
+    peaks = {}
+    for budget in (None, 0.0):
+        model = loracc.compile(copy.deepcopy(base), memory_budget=budget)
+        step(model, 0)
+        peaks[budget] = loracc.explain(model).predicted_peak_bytes
+    limit = (peaks[0.0] + peaks[None]) // 2
+    eager, compiled = copy.deepcopy(base), loracc.compile(copy.deepcopy(base), memory_budget=limit)
+    for seed in range(2):
+        for model in (eager, compiled):
+            model.zero_grad()
+            step(model, seed)
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name
+    frozen = compiled._loracc.regions[0]
+    assert frozen.name.startswith("down_blocks.0.resnets") and frozen.calls > 0
+    remats = [p.reports["remat"] for r in compiled._loracc.regions for p in r.compiled_programs]
+    assert len({r["price"] for r in remats}) == 1 and not any(r.get("provisional") for r in remats)
+    assert compiled._loracc.regions[0].step.in_flight == 0
+    assert loracc.explain(compiled).predicted_peak_bytes <= limit

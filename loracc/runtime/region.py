@@ -168,7 +168,10 @@ class Region:
                                                                                   reference or eager_forward, signature):
             return (reference or eager_forward)(*args, **kwargs)
         self.calls += 1
-        outputs = _RegionFunction.apply(program, self.step, *state, *signature.tensors)
+        # A call with no input needing a gradient (a frozen block before the first LoRA layer) has
+        # no backward: it leaves nothing in flight (StepMemory.in_flight).
+        step = self.step if any(t.requires_grad for t in state + signature.tensors) else None
+        outputs = _RegionFunction.apply(program, step, *state, *signature.tensors)
         return program.captured.rebuild_output(outputs)
 
     def _verify(self, program: Program, module, path, eager_forward, signature) -> bool:
