@@ -121,8 +121,8 @@ def add_node(graph: fx.Graph, op: str, target, args: tuple = (), kwargs: dict | 
     """``graph.create_node(op, target, args, kwargs, name, type_expr)``: the same node (name, place,
     arguments, input nodes, users), made without the walk over ``args`` and ``kwargs`` with which
     some torch versions' ``create_node`` looks for a raw ``SymInt`` to warn about (the graphs loracc
-    builds pass sizes as nodes), which costs more than making the node. For graphs built node by
-    node: read back from the trace cache, copied, split, grouped."""
+    builds pass sizes as nodes), a noticeable share of the time a node takes to make. For graphs
+    built node by node: read back from the trace cache, copied, split, grouped."""
     if not isinstance(args, tuple) or not isinstance(kwargs, (dict, type(None))):
         raise TypeError(f"node {name}: args must be a tuple and kwargs a dict, not {type(args).__name__} "
                         f"and {type(kwargs).__name__}")
