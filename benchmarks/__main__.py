@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "memory": ("memory_budget", "peak memory and tokens/s against loracc's memory budget"),
     "varlen-breakdown": ("varlen_breakdown", "where a varying-length run's time goes: new and seen shapes, static or symbolic first"),
     "first-call": ("first_call_host", "host time of loracc's first training call, by pipeline stage"),
+    "warm-start": ("warm_start", "host time of a warm first step (SDXL-structured UNet on the CPU), by pipeline stage"),
     "parity": ("parity_gpu", "GPU parity of loracc against eager PEFT in bf16"),
     "profile": ("profile_step", "torch.profiler / cProfile over training steps, or the cold first step"),
     "optimizer": ("optimizer", "loracc.FusedAdamW's step against torch's AdamW"),

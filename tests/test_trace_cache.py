@@ -486,3 +486,42 @@ def test_a_rounded_division_of_sizes_reads_back_with_its_value():
             text = json.dumps(tree).replace(f'"{traced.shape[1].node.expr.name}"', f'"{later.shape[1].node.expr.name}"')
             value = trace_cache._Symbols([later]).value(json.loads(text))
             assert int(value) == rounding(length / 32), (rounding, length)
+
+
+def test_a_graph_read_back_is_the_graph_torch_create_node_would_build_and_computes_the_same(monkeypatch):
+    """The decode builds nodes with ``ir.graph.add_node``: the same graphs (node for node: names,
+    targets, arguments, users, values) as ``Graph.create_node`` gives, and the same values on fresh
+    random inputs as the graphs that were traced."""
+    from passes_util import random_like, run
+    from loracc.capture.trace import call_signature, module_state
+    from loracc.pipeline import trace
+
+    model, batch = presets.preset("llama")
+    layer = model.base_model.model.model.layers[1]
+    hidden = torch.randn(1, batch["input_ids"].shape[1], model.config.hidden_size, requires_grad=True)
+    position = torch.arange(hidden.shape[1])[None]
+    embeddings = model.base_model.model.model.rotary_emb(hidden, position)
+    signature = call_signature((hidden,), {"position_embeddings": embeddings, "attention_mask": None})
+    _, state = module_state(layer)
+    inputs = state + signature.tensors
+    traced = trace(layer, "layers.1", signature, [t.requires_grad and t.is_floating_point() for t in inputs])
+    data = json.loads(json.dumps(trace_cache.encode(traced)))
+    ours = trace_cache.decode(data)
+    monkeypatch.setattr(trace_cache, "add_node", lambda graph, op, target, args, kwargs, name: graph.create_node(
+        op, target, args, kwargs, name=name))
+    theirs = trace_cache.decode(data)
+
+    def described(gm, users=list):  # a traced graph's users are in the order of its rewrites, not of its nodes
+        return [(n.op, n.name, n.target, repr(n.args), repr(n.kwargs), users(u.name for u in n.users), _described(n))
+                for n in gm.graph.nodes]
+
+    assert list(ours.stages) == list(theirs.stages) == list(traced.stages)
+    for name in traced.stages:
+        assert described(ours.stages[name]) == described(theirs.stages[name]), name
+        assert described(ours.stages[name], sorted) == described(traced.stages[name], sorted), name
+        assert ours.stages[name].code == traced.stages[name].code
+    real = [t.detach() for t in inputs]
+    for seed in range(2):
+        fresh = random_like(real, seed)
+        for a, b in zip(run(traced.stages["lora_match"], fresh), run(ours.stages["lora_match"], fresh)):
+            assert torch.equal(a, b)

@@ -72,6 +72,7 @@ from torch import nn
 from .. import _compat
 from .trace import NOT_PLAIN, CallSignature, CapturedForward, layout, module_fingerprint, module_state, plain_value, symbolic_inputs
 from ..disk import atomic_write, cache_folder, read_json
+from ..ir.graph import add_node, gc_paused
 
 log = logging.getLogger("loracc")
 
@@ -131,19 +132,9 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
         entry = cache_folder("graphs") / f"{trace_key(module, path, signature, packages, dims)}.json"
     except Uncacheable as exc:
         return trace(), {"hit": False, "why": str(exc)}
-    data = read_json(entry)
-    if data is not None:
-        try:
-            changed = _changed_file(data["files"])
-            if changed is None:
-                return decode(data, _symbolic_inputs(module, signature, dims)), {"hit": True, "entry": str(entry)}
-            log.info("loracc: %s changed since the trace in %s; tracing again", changed, entry)
-        except NotApplicable as exc:
-            log.info("loracc: trace cache entry %s does not apply to this call (%s); tracing again", entry, exc)
-        except Refused as exc:
-            warnings.warn(f"loracc: refusing trace cache entry {entry}: {exc}; the region is traced again", stacklevel=2)
-        except Exception as exc:  # noqa: BLE001 - an entry that does not read back is traced again
-            log.info("loracc: trace cache entry %s is unreadable (%s: %s); tracing again", entry, type(exc).__name__, exc)
+    traced = _read(entry, module, signature, dims)
+    if traced is not None:
+        return traced, {"hit": True, "entry": str(entry)}
     traced = trace()
     try:
         data = encode(traced)
@@ -154,6 +145,27 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
     except OSError as exc:
         return traced, {"hit": False, "why": f"could not write {entry}: {exc}"}
     return traced, {"hit": False, "entry": str(entry)}
+
+
+def _read(entry, module: nn.Module, signature: CallSignature, dims) -> Traced | None:
+    """The ``Traced`` that ``entry`` holds for this call, or None (after saying why, where it is not
+    simply missing) when it is missing, stale, refused or unreadable."""
+    with gc_paused():  # an entry is a large JSON tree, read back into graphs of as many nodes
+        data = read_json(entry)
+        if data is None:
+            return None
+        try:
+            changed = _changed_file(data["files"])
+            if changed is None:
+                return decode(data, _symbolic_inputs(module, signature, dims))
+            log.info("loracc: %s changed since the trace in %s; tracing again", changed, entry)
+        except NotApplicable as exc:
+            log.info("loracc: trace cache entry %s does not apply to this call (%s); tracing again", entry, exc)
+        except Refused as exc:
+            warnings.warn(f"loracc: refusing trace cache entry {entry}: {exc}; the region is traced again", stacklevel=3)
+        except Exception as exc:  # noqa: BLE001 - an entry that does not read back is traced again
+            log.info("loracc: trace cache entry %s is unreadable (%s: %s); tracing again", entry, type(exc).__name__, exc)
+        return None
 
 
 # --- the key ---------------------------------------------------------------------------------
@@ -532,8 +544,8 @@ def _load_graph(data: dict, values: _FakeValues) -> fx.GraphModule:
     for record in data["nodes"]:
         op = record["op"]
         target = _load_target(record["target"]) if op == "call_function" else record["target"]
-        node = graph.create_node(op, target, values.decode(record["args"], env), values.decode(record["kwargs"], env),
-                                 name=record["name"])
+        node = add_node(graph, op, target, values.decode(record["args"], env), values.decode(record["kwargs"], env),
+                        name=record["name"])
         if node.name != record["name"]:
             raise ValueError(f"node {record['name']} came back as {node.name}")
         for key in ("val", "loracc", "custom"):

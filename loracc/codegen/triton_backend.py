@@ -20,7 +20,7 @@ from .. import _compat
 from ..errors import LoraccError
 from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
 from ..ir.fused_rows import FusedRows
-from ..ir.graph import copy_nodes, info
+from ..ir.graph import copy_nodes, gc_paused, info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, precompile
 
@@ -82,6 +82,7 @@ class TritonBackend:
         self._graphs = graphs() if graphs is not None and self.cuda_graphs != "off" else None
         self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
 
+    @gc_paused()
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
                 lend_from: int | None = None):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when

@@ -11,6 +11,9 @@ Each node carries ``node.meta["loracc"]``, a dict with
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 import torch.fx as fx
 
@@ -91,11 +94,66 @@ def output_values(gm: fx.GraphModule) -> list:
     return list(args) if isinstance(args, (list, tuple)) else [args]
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector paused inside (a context manager, or a decorator:
+    ``@gc_paused()``), for code that builds graphs: turned back on when it leaves, if it was on when
+    it came in (so uses nest). Nothing else changes: objects are freed by reference counting as
+    ever, and a reference cycle made inside is collected by the next collection after it.
+
+    Why: building a graph allocates tens of thousands of objects that live on (nodes, their
+    metadata, fake tensors), and JSON or networkx data that dies right after. The collector counts
+    allocations, not garbage: every so many allocations it traverses the youngest objects, and once
+    the objects that survived grow by a quarter of the older ones, every object of the process (the
+    model, torch, every graph built so far), whatever little there is to free. While regions
+    compile one after the other, those full traversals come again and again, each longer."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def add_node(graph: fx.Graph, op: str, target, args: tuple = (), kwargs: dict | None = None, name: str | None = None,
+             type_expr=None) -> fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)``: the same node (name, place,
+    arguments, input nodes, users), made without the walk over ``args`` and ``kwargs`` with which
+    some torch versions' ``create_node`` looks for a raw ``SymInt`` to warn about (the graphs loracc
+    builds pass sizes as nodes), a noticeable share of the time a node takes to make. For graphs
+    built node by node: read back from the trace cache, copied, split, grouped."""
+    if not isinstance(args, tuple) or not isinstance(kwargs, (dict, type(None))):
+        raise TypeError(f"node {name}: args must be a tuple and kwargs a dict, not {type(args).__name__} "
+                        f"and {type(kwargs).__name__}")
+    node = graph.create_node(op, target, name=name, type_expr=type_expr)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
+def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
+    """``graph.node_copy(node, arg_transform)`` made with ``add_node``: ``node`` appended to ``graph``
+    with its arguments' nodes mapped by ``arg_transform`` and a shallow copy of its metadata."""
+    new = add_node(graph, node.op, node.target, fx.map_arg(node.args, arg_transform),
+                   fx.map_arg(node.kwargs, arg_transform), node.name, node.type)
+    new.meta = dict(node.meta)
+    return new
+
+
+@gc_paused()
 def copy_nodes(graph: fx.Graph) -> fx.Graph:
     """A copy of ``graph`` whose nodes and loracc annotations can be rewritten without touching
     ``graph``'s (fake values and other metadata are shared)."""
-    copy = fx.Graph()
-    copy.output(copy.graph_copy(graph, {}))
+    copy, env, result = fx.Graph(), {}, None
+    for node in graph.nodes:
+        if node.op == "output":
+            result = fx.map_arg(node.args[0], env.__getitem__)
+            break
+        env[node] = copy_node(copy, node, env.__getitem__)
+    copy.output(result)
     for old, new in zip(graph.nodes, copy.nodes):
         new.meta = {**old.meta, "loracc": dict(old.meta.get("loracc", {}))}
     return copy

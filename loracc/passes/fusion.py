@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..ir.fused_rows import PASS_THROUGH, FusedRows
-from ..ir.graph import info, output_node
+from ..ir.graph import copy_node, gc_paused, info, output_node
 from ..ir.ops import ROTATE_PAIRS
 from . import PassResult
 from .contract import graph_problems, names, same_inputs, same_output_arity
@@ -180,6 +180,7 @@ def group_nodes(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return list(groups.values())
 
 
+@gc_paused()
 def fusion(gm: fx.GraphModule) -> PassResult:
     graph = gm.graph
     out = output_node(gm)
@@ -237,7 +238,7 @@ def _replace(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, index: in
         env[a] = sub.placeholder(f"in{i}")
         env[a].meta["val"] = a.meta.get("val")
     for m in members:
-        env[m] = sub.node_copy(m, lambda n: env[n])
+        env[m] = copy_node(sub, m, env.__getitem__)
         env[m].meta["val"] = m.meta.get("val")
     sub.output(tuple(env[o] for o in outputs))
     sub_gm = _compat.lazy_graph_module(torch.nn.Module(), sub)  # code generated if the reference runs

@@ -26,8 +26,9 @@ offset lost to the allocator (docs/decisions/002-arena-execution-dropped.md).
 """
 from __future__ import annotations
 
-import operator
 import dataclasses
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..ir import cross_entropy
-from ..ir.graph import info, output_values, role, value_bytes
+from ..ir.graph import gc_paused, info, output_values, role, value_bytes
 from . import PassResult
 from .contract import graph_problems, names, same_structure
 
@@ -58,16 +59,24 @@ def aliased_input(node: fx.Node) -> fx.Node | None:
     """The input whose buffer ``node``'s value lives in (views, in-place ops), or None if it allocates."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
-    returns = node.target._schema.returns
     if node.target == torch.ops.aten._unsafe_view.default:
         return node.args[0]
-    if len(returns) != 1 or returns[0].alias_info is None:
-        return None
-    alias_set = returns[0].alias_info.before_set
-    for arg, value in zip(node.target._schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & alias_set and isinstance(value, fx.Node):
-            return value
+    for i in _aliased_arguments(node.target):
+        if i < len(node.args) and isinstance(node.args[i], fx.Node):
+            return node.args[i]
     return None
+
+
+@functools.cache
+def _aliased_arguments(op: torch._ops.OpOverload) -> tuple[int, ...]:
+    """The positions of the arguments whose buffer the single result of ``op`` may live in, by its
+    schema's alias annotations (``Tensor(a) self -> Tensor(a)``); none for an op that allocates."""
+    returns = op._schema.returns
+    if len(returns) != 1 or returns[0].alias_info is None:
+        return ()
+    alias_set = returns[0].alias_info.before_set
+    return tuple(i for i, arg in enumerate(op._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.before_set & alias_set)
 
 
 def is_mutation(node: fx.Node) -> bool:
@@ -117,11 +126,12 @@ def buffers(nodes: list[fx.Node], outputs) -> list[Buffer]:
     return found
 
 
-def live_bytes(nodes: list[fx.Node], outputs) -> list[int]:
+def live_bytes(nodes: list[fx.Node], outputs, found: list[Buffer] | None = None) -> list[int]:
     """Bytes held while each node of ``nodes`` runs: the buffers alive then, each from its node to
-    its last use (outputs: to the end), plus what the node allocates inside itself (``workspace_bytes``)."""
+    its last use (outputs: to the end), plus what the node allocates inside itself (``workspace_bytes``).
+    ``found``: ``buffers(nodes, outputs)``, where the caller has them already."""
     delta = [0] * (len(nodes) + 2)
-    for b in buffers(nodes, outputs):
+    for b in found if found is not None else buffers(nodes, outputs):
         delta[b.first] += b.nbytes
         delta[b.last + 1] -= b.nbytes
     curve, held = [], 0
@@ -131,9 +141,9 @@ def live_bytes(nodes: list[fx.Node], outputs) -> list[int]:
     return curve
 
 
-def peak_bytes(nodes: list[fx.Node], outputs) -> int:
+def peak_bytes(nodes: list[fx.Node], outputs, found: list[Buffer] | None = None) -> int:
     """The most bytes ``nodes`` hold at once (see ``live_bytes``)."""
-    return max(live_bytes(nodes, outputs), default=0)
+    return max(live_bytes(nodes, outputs, found), default=0)
 
 
 def workspace_bytes(node: fx.Node) -> int:
@@ -223,15 +233,18 @@ class MemoryPlanReport(_Report):
         )
 
 
-def graph_memory(gm: fx.GraphModule) -> StageMemory:
-    """The memory report of ``gm`` (see the module docstring) without annotating it."""
+def graph_memory(gm: fx.GraphModule, found: list[Buffer] | None = None, arena: int | None = None) -> StageMemory:
+    """The memory report of ``gm`` (see the module docstring) without annotating it. ``found`` and
+    ``arena``: ``gm``'s ``buffers`` and its temporaries' arena size, where the caller has them already."""
     nodes, outputs = list(gm.graph.nodes), output_values(gm)
-    found = buffers(nodes, outputs)
-    temps = [b for b in found if not b.is_output]
-    _, arena = plan_offsets([b.nbytes for b in temps], [(b.first, b.last) for b in temps])
+    if found is None:
+        found = buffers(nodes, outputs)
+    if arena is None:
+        temps = [b for b in found if not b.is_output]
+        _, arena = plan_offsets([b.nbytes for b in temps], [(b.first, b.last) for b in temps])
     return StageMemory(
         arena_bytes=arena,
-        peak_bytes=peak_bytes(nodes, outputs),
+        peak_bytes=peak_bytes(nodes, outputs, found),
         output_bytes=sum(b.nbytes for b in found if b.is_output),
         saved_bytes=activation_bytes(n for n in nodes if "saved" in info(n) and n.op != "output"),
         saved_input_bytes=activation_bytes(n for n in nodes if "saved" in info(n) and n.op == "placeholder"),
@@ -282,17 +295,19 @@ def activation_bytes(nodes) -> int:
     return sum(keys.values())
 
 
+@gc_paused()
 def memory_plan(gm: fx.GraphModule) -> PassResult:
     """Annotate ``gm``'s intermediates with their arena offsets; the report is ``graph_memory(gm)``."""
-    found = [b for b in buffers(list(gm.graph.nodes), output_values(gm)) if not b.is_output]
-    offsets, _ = plan_offsets([b.nbytes for b in found], [(b.first, b.last) for b in found])
-    for b, offset in zip(found, offsets):
+    found = buffers(list(gm.graph.nodes), output_values(gm))  # annotating offsets changes none of them
+    temps = [b for b in found if not b.is_output]
+    offsets, arena = plan_offsets([b.nbytes for b in temps], [(b.first, b.last) for b in temps])
+    for b, offset in zip(temps, offsets):
         node, item = b.key
         if item is None:
             info(node)["arena_offset"] = offset
         else:
             info(node).setdefault("arena_offset", {})[item] = offset
-    return PassResult(gm, graph_memory(gm))
+    return PassResult(gm, graph_memory(gm, found, arena))
 
 
 def _is_tuple(node) -> bool:

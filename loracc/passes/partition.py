@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..errors import Unsupported
-from ..ir.graph import info, output_node, output_values, placeholders
+from ..ir.graph import copy_node, gc_paused, info, output_node, output_values, placeholders
 from . import PassResult
 from .contract import graph_problems, input_names, names
 from .memory_plan import activation_bytes, is_mutation, storage_key
@@ -82,6 +82,7 @@ def runs_in_forward_only(node: fx.Node) -> bool:
     return info(node).get("phase") == "forward" and (is_random(node) or is_mutation(node))
 
 
+@gc_paused()
 def partition(joint: fx.GraphModule, n_outputs: int) -> PassResult:
     saved = [n for n in joint.graph.nodes if "saved" in info(n)]
     result = split(joint, n_outputs, saved)
@@ -199,7 +200,7 @@ def backward_nodes(joint: fx.GraphModule, n_outputs: int, saved: set) -> list[fx
 
 
 def _copy(graph: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
-    new = graph.node_copy(node, lambda a: env[a])
+    new = copy_node(graph, node, env.__getitem__)
     new.meta["loracc"] = dict(info(node))  # marks set on one graph's node stay off the others
     return new
 
