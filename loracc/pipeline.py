@@ -22,7 +22,7 @@ from torch import nn
 from . import _compat
 from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint, dynamic_dims
 from .capture.trace_cache import Traced, cached_trace
-from .ir.graph import copy_graph, output_node, placeholders, role, value_bytes
+from .ir.graph import copy_graph, gc_paused, output_node, placeholders, role, value_bytes
 from .errors import LoraccError
 from .passes import CONTRACTS, FORWARD_PASSES, PassResult, fusion, memory_plan, partition, remat
 from .passes.remat import SEARCH, Reserve
@@ -59,6 +59,7 @@ class Program:
         return self.captured.admits(tensors)
 
 
+@gc_paused()  # a compile builds objects that live on: no full collection in the middle of it
 def compile_call(
     module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
     memory_budget=None, repeats: int = 1, reserved_bytes: Reserve | int | None = None, price=SEARCH,
@@ -97,6 +98,7 @@ def compile_call(
     return program
 
 
+@gc_paused()
 def replan(program: Program, backend, *, repeats: int, price, memory_budget=None, path: str = "") -> Program:
     """``program`` compiled again from its traced joint graph with remat's plan at ``price`` (a
     price of ``passes.remat.PRICES``, ``FASTEST`` included; ``runtime.memory.StepMemory.settle`` chooses it for every

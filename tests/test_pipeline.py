@@ -78,3 +78,29 @@ def test_code_is_generated_only_for_graphs_that_run_and_once_each(compiled):
 def _spans(generated):
     starts = [i for i, g in enumerate(generated) if g == "start"]
     return [(s, generated.index(None, s)) for s in starts]
+
+
+def test_compile_call_runs_with_the_cyclic_collector_paused(monkeypatch):
+    """A compile builds objects that live on (graphs, fake tensors): no full collection of the
+    process runs in the middle of it; the collector is back on after, and the step is eager's."""
+    import copy
+    import gc
+
+    from loracc import pipeline
+
+    states, lower = [], pipeline.lower
+
+    def recording_lower(*args, **kwargs):
+        states.append(gc.isenabled())
+        return lower(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "lower", recording_lower)
+    model, batch = presets.preset("llama")
+    eager = copy.deepcopy(model)
+    loracc.compile(model, backend="eager")
+    model(**batch).loss.backward()
+    eager(**batch).loss.backward()
+    assert states and not any(states) and gc.isenabled()
+    for (name, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, name
