@@ -18,7 +18,6 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,9 +30,6 @@ from ..passes.remat import SEARCH
 from ..pipeline import Program, compile_call, replan
 from . import verify as verification
 from .cuda_graphs import Replayer, check_lease, share_decisions
-
-if TYPE_CHECKING:
-    from .memory import StepMemory
 
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
@@ -58,7 +54,7 @@ log = logging.getLogger("loracc")
 
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, program: Program, step: "StepMemory | None", *inputs):
+    def forward(ctx, program: Program, step, *inputs):  # step: the region's runtime.memory.StepMemory, or None
         with _compat.autocast_off():  # the graphs hold the casts autocast made while they were traced
             results = program.forward(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
@@ -110,7 +106,7 @@ class Region:
     memory_budget: object = None
     # The step's memory (runtime.memory.StepMemory): what the rest of the step holds while this
     # region runs, for a byte budget, and the plan of every region at one price once all have run.
-    step: "StepMemory | None" = None
+    step: object = None
     programs: dict = field(default_factory=dict)  # call key → its program (None: runs eagerly)
     dynamic_programs: list = field(default_factory=list)  # the symbolic programs, in compile order
     captures: int = 0
