@@ -44,16 +44,7 @@ STAGES = ["capture_forward", "copy_graph", "derive_joint", "remat", "partition",
 def instrument(seconds: dict, profiler: cProfile.Profile | None) -> None:
     """Time every stage ``compile_call`` runs, by wrapping the names it calls; profile every
     ``compile_call`` with ``profiler``."""
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds[name] += time.perf_counter() - start
-        return wrapper
-
+    timed = functools.partial(harness.timed, seconds)
     for name in STAGES:
         setattr(pipeline, name, timed(name, getattr(pipeline, name)))
     pipeline.FORWARD_PASSES = [timed(p.__name__, p) for p in passes.FORWARD_PASSES]

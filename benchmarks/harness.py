@@ -18,6 +18,7 @@ the date, device, driver, Python and library versions, the command and the commi
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -280,3 +281,16 @@ def in_subprocess(subcommand: str, argv: list[str], timeout: float, env: dict | 
         return json.loads(lines[-1][len(RESULT_PREFIX):]), ""
     tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
     return None, f"exit {proc.returncode}: " + " | ".join(tail)
+
+
+def timed(seconds: dict, name: str, fn):
+    """``fn``, adding the wall seconds each of its calls takes to ``seconds[name]`` (stage timing
+    of the first-call benchmarks)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - start
+    return wrapper

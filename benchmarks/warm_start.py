@@ -72,22 +72,13 @@ def phase(args) -> dict:
 
     torch.set_num_threads(1)
     import loracc
-    from benchmarks import diffusion
+    from benchmarks import diffusion, harness
     from loracc import codegen, pipeline
     from loracc.capture import trace_cache
 
     seconds: dict[str, float] = defaultdict(float)
 
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                seconds[name] += time.perf_counter() - start
-        return wrapper
-
+    timed = functools.partial(harness.timed, seconds)
     for name in STAGES:
         setattr(pipeline, name, timed(name, getattr(pipeline, name)))
     pipeline.cached_trace = timed("trace cache", pipeline.cached_trace)

@@ -227,6 +227,28 @@ def test_under_a_budget_every_layer_call_runs_compiled_from_the_first():
         assert block.calls == 2 - eager_calls, (budget, block.calls)
 
 
+def _halfway_limit(base, step) -> int:
+    """A byte limit halfway between the predicted peaks of ``base`` compiled to save the least
+    (``memory_budget=0.0``) and compiled for the fastest plan, after one ``step(model, seed)``."""
+    peaks = {}
+    for budget in (None, 0.0):
+        model = loracc.compile(copy.deepcopy(base), memory_budget=budget)
+        step(model, 0)
+        peaks[budget] = loracc.explain(model).predicted_peak_bytes
+    assert peaks[0.0] < peaks[None]
+    return (peaks[0.0] + peaks[None]) // 2
+
+
+def _steps_with_eager_gradients(eager, compiled, step, seed: int) -> None:
+    """One ``step`` of each model on batch ``seed``: every LoRA gradient within fp32's 1e-4."""
+    for model in (eager, compiled):
+        model.zero_grad()
+        step(model, seed)
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+        if p.requires_grad:
+            assert rel_err(q.grad, p.grad) <= 1e-4, (seed, name)
+
+
 def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run():
     """Flux's double blocks run before its single blocks: planned first under a byte budget, they
     cannot know what the single blocks will need, so their plan is provisional until every region
@@ -245,22 +267,10 @@ def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run()
         kwargs, target = flux_batch(torch.Generator().manual_seed(seed), batch=2, height=4, width=6)
         F.mse_loss(model(**kwargs).sample, target).backward()
 
-    peaks = {}
-    for budget in (None, 0.0):
-        model = loracc.compile(copy.deepcopy(base), memory_budget=budget)
-        step(model, 0)
-        peaks[budget] = loracc.explain(model).predicted_peak_bytes
-    assert peaks[0.0] < peaks[None]
-    limit = (peaks[0.0] + peaks[None]) // 2
-
+    limit = _halfway_limit(base, step)
     eager, compiled = copy.deepcopy(base), loracc.compile(copy.deepcopy(base), memory_budget=limit)
     for seed in range(3):
-        for model in (eager, compiled):
-            model.zero_grad()
-            step(model, seed)
-        for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
-            if p.requires_grad:
-                assert rel_err(q.grad, p.grad) <= 1e-4, (seed, name)
+        _steps_with_eager_gradients(eager, compiled, step, seed)
         regions = [r for r in compiled._loracc.regions if r.latest is not None]
         assert [r.modules[0].split(".")[0] for r in regions] == ["transformer_blocks", "single_transformer_blocks"]
         remats = [p.reports["remat"] for r in regions for p in r.compiled_programs]
@@ -288,20 +298,10 @@ def test_a_byte_budget_settles_with_frozen_regions_before_the_first_lora_layer()
         kwargs, target = unet_batch(torch.Generator().manual_seed(seed))
         F.mse_loss(model(**kwargs).sample, target).backward()
 
-    peaks = {}
-    for budget in (None, 0.0):
-        model = loracc.compile(copy.deepcopy(base), memory_budget=budget)
-        step(model, 0)
-        peaks[budget] = loracc.explain(model).predicted_peak_bytes
-    limit = (peaks[0.0] + peaks[None]) // 2
+    limit = _halfway_limit(base, step)
     eager, compiled = copy.deepcopy(base), loracc.compile(copy.deepcopy(base), memory_budget=limit)
     for seed in range(2):
-        for model in (eager, compiled):
-            model.zero_grad()
-            step(model, seed)
-    for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
-        if p.requires_grad:
-            assert rel_err(q.grad, p.grad) <= 1e-4, name
+        _steps_with_eager_gradients(eager, compiled, step, seed)
     frozen = compiled._loracc.regions[0]
     assert frozen.name.startswith("down_blocks.0.resnets") and frozen.calls > 0
     remats = [p.reports["remat"] for r in compiled._loracc.regions for p in r.compiled_programs]
