@@ -128,8 +128,8 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
     plan and the one that saves the least (price 0), the one whose own step peak (``Cut.peak``: its
     saved bytes times ``repeats`` and its largest transient) is smaller, if its step fits, else the
     least-saving one. (The least-saving plan's backward recomputes the forward: its transient can
-    exceed the fastest plan's, and a region run once a step may peak lower saving everything.) ``LoraccError`` if none fits, naming the peak that
-    recomputing everything possible reaches.
+    exceed the fastest plan's, and a region run once a step may peak lower saving everything.)
+    ``LoraccError`` if none fits, naming the peak that recomputing everything possible reaches.
 
     ``price``: ``SEARCH`` (the plan the budget asks for), or a price of ``PRICES`` (``FASTEST``
     included), as ``search_prices`` returns one: the price ``runtime.memory.StepMemory.settle``

@@ -81,8 +81,9 @@ class _RegionFunction(torch.autograd.Function):
                 grads = program.backward(*ctx.saved_tensors, *tangents)
         if lease is not None:
             lease.release()
-        if ctx.step is not None:
+        if ctx.step is not None:  # once, even if the graph is run backward again (retain_graph=True)
             ctx.step.in_flight -= 1
+            ctx.step = None
         result = [None] * program.n_inputs
         for index, grad in zip(program.grad_inputs, grads):
             result[index] = grad
