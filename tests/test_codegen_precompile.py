@@ -157,6 +157,36 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
         lora_linear.forget_plans()
 
 
+def test_warmups_compile_only_the_choice_the_autotuner_remembers(monkeypatch):
+    """Where the autotuner chose before at a shape (this process, or the on-disk cache), a warm-up
+    compiles only the chosen kernel, or nothing where it chose cuBLAS; before, every candidate. The
+    op computes what it did either way."""
+    monkeypatch.setattr(autotune, "_chosen", {})
+    lora_linear.forget_plans()
+    rows, i, o, r = 37, 48, 40, 4
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x, weight = (torch.randn(rows, i, device=DEVICE, generator=g), torch.randn(o, i, device=DEVICE, generator=g))
+    bias, lora_a, lora_b = (torch.randn(o, device=DEVICE, generator=g), torch.randn(r, i, device=DEVICE, generator=g),
+                            torch.randn(o, r, device=DEVICE, generator=g))
+    forward = [x, weight, bias, lora_a, lora_b, 0.5, None]
+    try:
+        every = lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)
+        assert len(every) > 1
+        y, su = lora_linear.lora_linear(*forward)  # the autotuner chooses (the interpreter: its first candidate)
+        torch.testing.assert_close(y, x @ weight.t() + bias + 0.5 * (x @ lora_a.t()) @ lora_b.t(), rtol=1e-4, atol=1e-4)
+        (memo, choice), = autotune._chosen.items()
+        kind = {LoraGemm: "triton", TmaLoraGemm: "tma"}
+        chosen = lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)
+        if choice.startswith(("triton", "tma")):
+            assert [f"{kind[type(j.func.__self__)]} {j.args[0]}" for j in chosen] == [choice]
+        else:
+            assert chosen == []
+        autotune._chosen[memo] = "cublas"
+        assert lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE) == []
+    finally:
+        lora_linear.forget_plans()
+
+
 def test_compile_ahead_runs_every_job_and_keeps_going_past_a_failure():
     pytest.importorskip("triton.runtime._async_compile")
     ran = []

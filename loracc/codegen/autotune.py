@@ -33,6 +33,16 @@ _chosen: dict[str, str] = {}
 decisions: dict[str, dict] = {}
 
 
+def remembered(description: dict, candidates, device: torch.device) -> str | None:
+    """The candidate ``choose`` would take for ``description`` among ``candidates`` (names) without
+    timing any: this process's choice, or the on-disk cache's; None where it would time them."""
+    choice = _chosen.get(json.dumps(description, sort_keys=True))
+    if choice in candidates:
+        return choice
+    record = cache.load_choice({**description, **cache.environment(device), "timed": TIMED})
+    return record["choice"] if record is not None and record["choice"] in candidates else None
+
+
 def choose(description: dict, candidates: dict[str, Callable[[], object]], device: torch.device) -> str:
     """The name of the candidate to run for ``description`` (what is computed, at which shape)."""
     memo_key = json.dumps(description, sort_keys=True)

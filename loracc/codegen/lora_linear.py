@@ -91,12 +91,18 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def _description(op: str, kernel_name: str, adapter_dtype, rows: int, candidates) -> dict:
+    """What the autotuner chooses for: the op, its kernel, the adapters' dtype, the rows' bucket, the
+    candidates' names."""
+    return {"op": op, "kernel": kernel_name, "adapter_dtype": str(adapter_dtype), "rows": _bucket(rows),
+            "candidates": sorted(candidates)}
+
+
 def _plan(key: tuple, kernel_name: str, impls: dict[str, Callable], args: tuple, adapter_dtype) -> Callable:
     """The implementation to run for ``key``: the autotuner's pick among ``impls`` on ``args``."""
     impl = _plans.get(key)
     if impl is None:
-        description = {"op": key[0], "kernel": kernel_name, "adapter_dtype": str(adapter_dtype), "rows": _bucket(args[0].shape[0]),
-                       "candidates": sorted(impls)}
+        description = _description(key[0], kernel_name, adapter_dtype, args[0].shape[0], impls)
         thunks = {name: functools.partial(fn, *args) for name, fn in impls.items()}
         impl = _plans[key] = impls[autotune.choose(description, thunks, args[0].device)]
     return impl
@@ -146,18 +152,28 @@ def _tma_impls(tma: TmaLoraGemm | None, run) -> dict[str, Callable]:
 
 
 def warmups(op, vals: list, device: torch.device) -> list[Callable]:
-    """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles:
-    each configuration of either template that the autotuner will try, as a ``precompile`` job."""
+    """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles,
+    as ``precompile`` jobs: each configuration of either template that the autotuner will try or,
+    where it chose before at this shape (``autotune.remembered``: this process, or the on-disk
+    cache of an earlier one), the one it chose (nothing where that is cuBLAS)."""
     if op is lora_linear:
         x, weight, bias, lora_a, _, _, lora_x = vals
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
     else:
         grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
         gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
+        if gemm is None:  # cuBLAS only
+            return []
     rows = _compat.hint(vals[0].numel()) // vals[0].shape[-1]  # symbolic sizes: at the traced shape
     tma = _tma_gemm(gemm, device)
-    return ([functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)]
-            + [functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)])
+    jobs = {f"triton {c}": functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)}
+    jobs.update({f"tma {c}": functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)})
+    names = [*jobs, "cublas", "cublas lora-first"]  # as lora_linear and _grad_input offer them
+    op_name = "lora_linear" if op is lora_linear else "lora_linear_backward"
+    choice = autotune.remembered(_description(op_name, gemm.name, lora_a.dtype, rows, names), names, device)
+    if choice is not None:
+        return [jobs[choice]] if choice in jobs else []
+    return list(jobs.values())
 
 
 # Forward --------------------------------------------------------------------------------------
