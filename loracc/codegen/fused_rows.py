@@ -74,7 +74,7 @@ def _gelu(a: str, approximate: str) -> str:
     if approximate == "tanh":
         inner = f"{SQRT_2_OVER_PI} * ({a} + 0.044715 * {a} * {a} * {a})"
         return f"0.5 * {a} * (1.0 + (2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0))"
-    return f"0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476))"
+    return f"0.5 * {a} * (1.0 + erf32({a} * 0.7071067811865476))"
 
 
 # op → (args, kwargs) → expression; tensor arguments come as variable names, scalars as literals.
@@ -247,7 +247,7 @@ class _Emitter:
                 inner = f"{SQRT_2_OVER_PI} * ({x} + 0.044715 * {x} * {x} * {x})"
                 t = f"(2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)"
                 return f"{g} * (0.5 * (1.0 + {t}) + 0.5 * {x} * (1.0 - {t} * {t}) * {SQRT_2_OVER_PI} * (1.0 + 0.134145 * {x} * {x}))"
-            return f"{g} * (0.5 * (1.0 + tl.erf({x} * 0.7071067811865476)) + {x} * tl.exp(-0.5 * {x} * {x}) * 0.3989422804014327)"
+            return f"{g} * (0.5 * (1.0 + erf32({x} * 0.7071067811865476)) + {x} * tl.exp(-0.5 * {x} * {x}) * 0.3989422804014327)"
         if target in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default):
             source = args[0]
             width = _width(source.meta["val"])
@@ -398,6 +398,7 @@ class RowKernel:
             width=self.width,
             wide_offsets=wide_offsets,
             max_with_nan=emitter.max_with_nan,
+            uses_erf=any("erf32(" in line for line in emitter.lines),
             index_lines=index_lines,
             body=emitter.lines,
         )
