@@ -33,23 +33,33 @@ _chosen: dict[str, str] = {}
 decisions: dict[str, dict] = {}
 
 
+def _memo_key(description: dict) -> str:
+    """``description``'s key among this process's choices."""
+    return json.dumps(description, sort_keys=True)
+
+
+def _record_key(description: dict, device: torch.device) -> dict:
+    """``description``'s key in the on-disk cache: with the device's environment and how candidates are timed."""
+    return {**description, **cache.environment(device), "timed": TIMED}
+
+
 def remembered(description: dict, candidates, device: torch.device) -> str | None:
     """The candidate ``choose`` would take for ``description`` among ``candidates`` (names) without
     timing any: this process's choice, or the on-disk cache's; None where it would time them."""
-    choice = _chosen.get(json.dumps(description, sort_keys=True))
+    choice = _chosen.get(_memo_key(description))
     if choice in candidates:
         return choice
-    record = cache.load_choice({**description, **cache.environment(device), "timed": TIMED})
+    record = cache.load_choice(_record_key(description, device))
     return record["choice"] if record is not None and record["choice"] in candidates else None
 
 
 def choose(description: dict, candidates: dict[str, Callable[[], object]], device: torch.device) -> str:
     """The name of the candidate to run for ``description`` (what is computed, at which shape)."""
-    memo_key = json.dumps(description, sort_keys=True)
+    memo_key = _memo_key(description)
     choice = _chosen.get(memo_key)
     if choice in candidates:
         return choice
-    full = {**description, **cache.environment(device), "timed": TIMED}
+    full = _record_key(description, device)
     record = cache.load_choice(full)
     if record is not None and record["choice"] in candidates:
         choice, source = record["choice"], "cache"

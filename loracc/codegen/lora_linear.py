@@ -91,6 +91,10 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+# The cuBLAS candidates' names, beside the templates' configurations, forward and backward alike.
+CUBLAS_CANDIDATES = ("cublas", "cublas lora-first")
+
+
 def _description(op: str, kernel_name: str, adapter_dtype, rows: int, candidates) -> dict:
     """What the autotuner chooses for: the op, its kernel, the adapters' dtype, the rows' bucket, the
     candidates' names."""
@@ -168,7 +172,7 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     tma = _tma_gemm(gemm, device)
     jobs = {f"triton {c}": functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)}
     jobs.update({f"tma {c}": functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)})
-    names = [*jobs, "cublas", "cublas lora-first"]  # as lora_linear and _grad_input offer them
+    names = [*jobs, *CUBLAS_CANDIDATES]  # as lora_linear and _grad_input offer them
     op_name = "lora_linear" if op is lora_linear else "lora_linear_backward"
     choice = autotune.remembered(_description(op_name, gemm.name, lora_a.dtype, rows, names), names, device)
     if choice is not None:
@@ -190,7 +194,7 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     if impl is None:
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
         impls = {**_template_impls(gemm, _forward_template), **_tma_impls(_tma_gemm(gemm, x.device), _forward_tma),
-                 "cublas": _forward_cublas, "cublas lora-first": _forward_cublas_lora_first}
+                 **dict(zip(CUBLAS_CANDIDATES, (_forward_cublas, _forward_cublas_lora_first)))}
         impl = _plan(key, gemm.name, impls, args, lora_a.dtype)
     y, su = impl(*args)
     return y.reshape(*x.shape[:-1], out_features), su
@@ -285,8 +289,8 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
     impl = _plans.get(key)
     args = (gy2, weight, lora_a, lora_b, a_c, b_c, scale)
     if impl is None:
-        impls = {"cublas": functools.partial(_grad_input_cublas, flags, False),
-                 "cublas lora-first": functools.partial(_grad_input_cublas, flags, True)}
+        impls = dict(zip(CUBLAS_CANDIDATES, (functools.partial(_grad_input_cublas, flags, False),
+                                             functools.partial(_grad_input_cublas, flags, True))))
         gemm = _grad_input_gemm(gy2.dtype, weight, lora_a, flags)
         if gemm is not None:
             impls = {**_template_impls(gemm, _grad_input_template), **_tma_impls(_tma_gemm(gemm, gy2.device), _grad_input_tma),
