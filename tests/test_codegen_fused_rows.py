@@ -162,8 +162,8 @@ def test_fused_graph_with_kernels_matches_the_function(name, dtype):
 
 
 def test_exact_gelu_computes_erf_without_libdevice_within_fp32_rounding():
-    """The exact GELU's erf is the template's own (``erf32``: linking libdevice for ``tl.erf`` costs
-    a kernel compile ~50 ms): over [-12, 12] (every branch of it: |x/√2| below 1, below 4, beyond)
+    """The exact GELU's erf is the template's own (``erf32``: ``tl.erf`` would link libdevice into
+    the kernel, decision 032): over [-12, 12] (every branch of it: |x/√2| below 1, below 4, beyond)
     the fused kernel's GELU and its gradient are within fp32 rounding of torch's, and no kernel
     source calls ``tl.erf``."""
     fn = _with_grads(lambda gate, up: F.gelu(gate) * up, 2)  # GEGLU with the exact GELU (SDXL's)
