@@ -5,7 +5,9 @@ the kernel cache (``codegen/cache.py``) and the trace cache (``capture/trace_cac
 folder in it.
 
 Writes go to a temporary file in the same folder and are renamed into place (atomic on POSIX):
-a reader sees the old or the new file, never a part.
+a reader sees the old or the new file, never a part. They are not synced to the disk: after a
+crash of the machine an entry may read back empty or cut short, which every reader of the cache
+checks for (JSON that does not parse, a source whose hash differs) and rebuilds.
 
 The cache holds code that is run (kernel sources, the trace cache's graphs) and decisions that are
 followed (autotuning choices), so only the user may write to it. ``cache_folder`` creates its
@@ -40,8 +42,12 @@ def cache_folder(name: str) -> Path:
     (mode 0700) where missing; ``LoraccError`` where one exists that is not the user's alone."""
     root = cache_dir()
     for folder in (root, root / name):
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # missing parents: made as by mkdir -p
-        problem = _not_private(os.stat(folder))
+        try:
+            stat = os.stat(folder)
+        except FileNotFoundError:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # missing parents: made as by mkdir -p
+            stat = os.stat(folder)
+        problem = _not_private(stat)
         if problem:
             raise LoraccError(
                 f"the loracc cache directory {folder} {problem}: whoever can write there can make loracc "
@@ -83,14 +89,13 @@ def read_private(path: Path) -> str | None:
 
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that no reader ever sees a partial file; the file is the
-    user's alone (mode 0600: ``mkstemp`` creates it so, and the rename keeps it)."""
+    user's alone (mode 0600: ``mkstemp`` creates it so, and the rename keeps it). Not synced to the
+    disk (a cache entry can be rebuilt; see the module's docstring)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
