@@ -182,6 +182,28 @@ def test_exact_gelu_computes_erf_without_libdevice_within_fp32_rounding():
         assert ((g - e).abs() <= 1e-6 * scale).all(), (g - e).abs().max()
 
 
+def test_equal_groups_of_one_graph_render_one_source_and_each_still_matches_its_ops():
+    """Two layers' norms in one graph (their nodes named apart: ``mean``, ``mean_1``) render the same
+    kernel source, so Triton compiles it once; the names in it are the group's own, and each group's
+    kernel still computes its own values."""
+    def two_layers(x, w1, w2, m):
+        return rms_norm(rms_norm(x, w1) @ m, w2)  # the matmul between them is not fused
+
+    r = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
+    _, _, groups = _fused(two_layers, (r(3, 37, 100), r(100), r(100), r(100, 100)))
+    kernels = [RowKernel(node.target) for node in groups]
+    norms = [k for k in kernels if "rsqrt" in k.name]
+    assert len(norms) == 2 and norms[0].source == norms[1].source
+    named = [{n.name for n in kernel.group.graph.graph.nodes} for kernel in norms]
+    assert named[0] != named[1] and not any(f"{name}:" in norms[1].source for name in named[1] - named[0])
+    generator = torch.Generator().manual_seed(11)
+    for kernel in norms:
+        args = [_random_like(v, generator) for v in kernel.input_vals]
+        expected = kernel.group(*args)
+        got = kernel(*args, out=[torch.full_like(e, float("nan")) for e in expected])
+        assert all(rel_err(g, e) <= TOLERANCE[torch.float32] for g, e in zip(got, expected))
+
+
 def test_forward_and_backward_of_a_norm_are_one_kernel():
     fn, inputs = _case("rms_norm", torch.float32)
     _, report, groups = _fused(fn, inputs)

@@ -128,6 +128,7 @@ class _Emitter:
         self.rows = group.rows
         self.block_d = block_d
         self.inputs = {n: i for i, n in enumerate(group.graph.graph.find_nodes(op="placeholder"))}
+        self.names = local_names(group.graph.graph)
         self.lines: list[str] = []
         self.memo: dict[tuple, str] = {}
         self.strides: list[str] = []  # run-time stride arguments, in signature order
@@ -208,7 +209,7 @@ class _Emitter:
             dtype = node.meta["val"].dtype
             if dtype in ROUNDED and node.target not in PASS_THROUGH:
                 expression = f"({expression}).to({TL_DTYPES[dtype]}).to(tl.float32)"
-        name = f"v_{node.name}" + ("" if not shift else f"_{'p' if shift > 0 else 'm'}{abs(shift)}")
+        name = self.names[node] + ("" if not shift else f"_{'p' if shift > 0 else 'm'}{abs(shift)}")
         self.lines.append(f"{name} = {expression}")
         self.memo[key] = name
         return name
@@ -301,21 +302,31 @@ class _Emitter:
             self.lines.append(f"tl.store({pointer} + {row} + cols * {col_stride}, {self.value(node, 0)}.to({store_dtype}), mask={mask})")
 
 
-def _describe_arg(a) -> str:
+def local_names(graph: fx.Graph) -> dict[fx.Node, str]:
+    """The kernel's name for each value of a group's ``graph``: ``v_in0``, ``v_in1``, ... for its
+    inputs and ``v0``, ``v1``, ... for the values it computes, in graph order. The names do not
+    depend on the names in the graph the group was cut from, so groups of equal ops (the layers of
+    one program, a block's equal norms) render the same source and compile one kernel."""
+    names = {node: f"v_in{i}" for i, node in enumerate(graph.find_nodes(op="placeholder"))}
+    computed = [node for node in graph.nodes if node.op == "call_function"]
+    return names | {node: f"v{i}" for i, node in enumerate(computed)}
+
+
+def _describe_arg(a, names: dict) -> str:
     if isinstance(a, fx.Node):
-        return a.name
+        return names[a]
     if isinstance(a, (list, tuple)):
-        return "[" + ", ".join(_describe_arg(x) for x in a) + "]"
+        return "[" + ", ".join(_describe_arg(x, names) for x in a) + "]"
     return repr(a)
 
 
-def _describe(node: fx.Node) -> str:
-    """One line of the kernel's header: the op as the graph has it."""
-    args = ", ".join(_describe_arg(a) for a in node.args)
+def _describe(node: fx.Node, names: dict) -> str:
+    """One line of the kernel's header: the op as the graph has it, its values by their kernel names."""
+    args = ", ".join(_describe_arg(a, names) for a in node.args)
     kwargs = "".join(f", {k}={v}" for k, v in node.kwargs.items())
     val = node.meta["val"]
     dtype = str(val.dtype).replace("torch.", "")
-    return f"{node.name}: {dtype}{list(val.shape)} = {node.target}({args}{kwargs})"
+    return f"{names[node]}: {dtype}{list(val.shape)} = {node.target}({args}{kwargs})"
 
 
 def _span(val) -> int:
@@ -388,7 +399,7 @@ class RowKernel:
             computes=f"{len(group.ops)} fused ops ({', '.join(group.ops)}) over rows of {_frame(rows)}",
             shapes=[f"in{i}: {_shape(v)}" for i, v in enumerate(self.input_vals)]
             + [f"out{i}: {_shape(v)}" for i, v in enumerate(self.output_vals)],
-            ops=[_describe(n) for n in nodes if n.op == "call_function"],
+            ops=[_describe(n, emitter.names) for n in nodes if n.op == "call_function"],
             pointers=[f"in{i}" for i in range(len(self.input_vals))] + [f"out{i}" for i in range(len(self.outputs))],
             strides=emitter.strides,
             n_rows="n_rows" if self.symbolic else self.n_rows,
