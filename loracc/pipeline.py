@@ -48,6 +48,19 @@ class Program:
     # The runtime's reasons for running a stage from Python, with the graph modes they apply to
     # (runtime.region._without_graphs), kept for a program compiled again from this one's trace.
     graph_rules: list = field(default_factory=list)
+    # The compiles of its kernels still under way in the background (``compile_call(background=True)``):
+    # ``wait`` before the first call.
+    compiling: list = field(default_factory=list)
+
+    def ready(self) -> bool:
+        """Whether every kernel the program launches is compiled (a call now waits for nothing)."""
+        return all(future.done() for future in self.compiling)
+
+    def wait(self) -> None:
+        """Wait for the kernels compiling in the background; the program then runs at full speed."""
+        for future in self.compiling:
+            future.result()
+        self.compiling = []
 
     @property
     def dynamic(self) -> bool:
@@ -63,7 +76,7 @@ class Program:
 def compile_call(
     module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
     memory_budget=None, repeats: int = 1, reserved_bytes: Reserve | int | None = None, price=SEARCH,
-    dynamic: bool = False,
+    dynamic: bool = False, background: bool = False,
 ) -> Program:
     """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
 
@@ -75,6 +88,9 @@ def compile_call(
     times a step runs this program: a block region's number of layers) and ``reserved_bytes`` (what
     the rest of the step holds meanwhile), and may come with a ``price`` (the step's, once settled),
     see ``passes.remat``.
+
+    ``background``: return before the kernels are compiled (``Program.compiling``; ``Program.wait``
+    before the first call, which otherwise compiles or waits for them at their launches).
     """
     start = time.perf_counter()
     check = checking_passes()
@@ -93,7 +109,8 @@ def compile_call(
             previous = name
     reports["trace_cache"] = cache_report
     program = lower(captured, stages, reports, needs_grad, len(state), backend, path=path, repeats=repeats,
-                    memory_budget=memory_budget, reserved_bytes=reserved_bytes, price=price, check=check)
+                    memory_budget=memory_budget, reserved_bytes=reserved_bytes, price=price, check=check,
+                    background=background)
     program.compile_seconds = time.perf_counter() - start
     return program
 
@@ -119,11 +136,12 @@ def replan(program: Program, backend, *, repeats: int, price, memory_budget=None
 
 def lower(captured: CapturedForward, stages: dict, reports: dict, needs_grad: list[bool], n_state: int, backend, *,
           path: str, repeats: int, memory_budget=None, reserved_bytes: Reserve | int | None = None, price=SEARCH,
-          check: bool = False) -> Program:
+          check: bool = False, background: bool = False) -> Program:
     """The stages after the trace: remat (``memory_budget``, ``repeats``, ``reserved_bytes`` or
     ``price`` as ``passes.remat.remat`` takes them) → partition → fusion → memory plan → codegen,
     from a traced call's ``stages`` and ``reports`` (up to ``"joint"``; copied, never changed).
-    ``n_state``: how many leading inputs are the module's state; ``check``: check each pass's contract."""
+    ``n_state``: how many leading inputs are the module's state; ``check``: check each pass's contract;
+    ``background``: see ``compile_call``."""
     stages, reports = dict(stages), dict(reports)
     out_vals = [o.meta["val"] for o in output_node(stages["captured"]).args[0]]
     n_outputs = len(out_vals)
@@ -165,11 +183,14 @@ def lower(captured: CapturedForward, stages: dict, reports: dict, needs_grad: li
     # A layer's parameters are the same tensors at every call, and so is what its forward saves
     # (replayed as CUDA graphs: read in place, see runtime/cuda_graphs.py).
     n_saved = len(output_node(parts.forward).args[0]) - n_outputs
-    forward = backend.compile(parts.forward, "forward", repeats=repeats, fixed_inputs=n_state, lend_from=n_outputs)
+    compiling = [] if background else None
+    forward = backend.compile(parts.forward, "forward", repeats=repeats, fixed_inputs=n_state, lend_from=n_outputs,
+                              compiling=compiling)
     return Program(
         captured=captured,
         forward=forward,
-        backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats, fixed_inputs=n_saved),
+        backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats, fixed_inputs=n_saved,
+                                 compiling=compiling),
         n_inputs=len(needs_grad),
         n_outputs=n_outputs,
         differentiable=[v.is_floating_point() for v in out_vals],
@@ -177,6 +198,7 @@ def lower(captured: CapturedForward, stages: dict, reports: dict, needs_grad: li
         stages=stages,
         reports=reports,
         n_state=n_state,
+        compiling=compiling or [],
     )
 
 

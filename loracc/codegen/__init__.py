@@ -3,7 +3,9 @@
 A backend has a ``name`` and ``compile(gm, stage, after=None, repeats=1) -> callable``: it receives
 the forward or the backward graph of a region after every pass (for a backward, ``after`` is what it
 returned for the forward; ``repeats``: how many times a step runs it) and returns the function the
-runtime calls with the graph's inputs, which must return the graph's outputs as a list.
+runtime calls with the graph's inputs, which must return the graph's outputs as a list. Given a list
+``compiling``, a backend that compiles kernels may compile them in the background and append the
+``Future`` of that compile to it (the ``triton`` backend does).
 
 - ``eager``: runs the graph's ATen ops (and the reference implementations of loracc's ops) as they
   are; works on every device, and is the CPU path.
@@ -32,7 +34,7 @@ class EagerBackend:
         pass
 
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, **graph_inputs):
-        return gm
+        return gm  # nothing to compile: ``compiling`` stays empty
 
 
 BACKENDS = {"eager": EagerBackend, "triton": TritonBackend}

@@ -7,6 +7,9 @@ GEMM template, the cross-entropy kernel) to Triton's asynchronous compile mode w
 threads: the compilers run side by side, then each kernel is loaded and its launcher built, and the
 first launches find them ready. ``loracc.FusedAdamW`` starts its kernel's compile on a background
 thread when it is built (``in_background``), while the first forward and backward run.
+``compile_later`` does a graph's ``compile_ahead`` on a background thread instead of waiting for it
+(``COMPILING_AT_ONCE`` graphs at a time): the runtime runs a region eagerly until its kernels are
+ready, so that the next regions trace while the compilers run (``runtime.region``).
 
 A kernel is compiled ahead from its signature: the dtypes of its pointer arguments, where they start
 modulo 16 bytes, and the values of its integer arguments, all known from the traced graph. A launch
@@ -23,7 +26,7 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -86,6 +89,20 @@ def compile_ahead(jobs: list[Callable[[], object]], device: torch.device | None,
         list(pool.map(functools.partial(_load, device=device), {id(k): k for k in pending}.values()))
     log.info("compiled %d %s ahead in %.1f s (%d threads)", len(pending), what, time.perf_counter() - start, workers)
     return len(pending)
+
+
+COMPILING_AT_ONCE = 4  # graphs whose kernels compile_later compiles side by side (each with its own pool)
+_later: ThreadPoolExecutor | None = None
+
+
+def compile_later(jobs: list[Callable[[], object]], device: torch.device | None, what: str = "kernels") -> Future:
+    """``compile_ahead(jobs, device, what)`` on a background thread: a ``Future`` done when every
+    kernel is compiled and loaded (its result: how many were submitted). A kernel launched before
+    then is compiled by its launch or waits for the compile under way (Triton's), never run half-made."""
+    global _later
+    if _later is None:
+        _later = ThreadPoolExecutor(max_workers=COMPILING_AT_ONCE, thread_name_prefix="loracc-compile-later")
+    return _later.submit(compile_ahead, jobs, _indexed(device), what)
 
 
 _background: ThreadPoolExecutor | None = None

@@ -84,10 +84,12 @@ class TritonBackend:
 
     @gc_paused()
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
-                lend_from: int | None = None):
+                lend_from: int | None = None, compiling: list | None = None):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
-        ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``."""
+        ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``. The kernels it launches
+        are compiled before it returns, or, given a list ``compiling``, in the background: the
+        ``Future`` of their compile is appended to it (``precompile.compile_later``)."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
         if fp8_gemm.available(self.device):  # LoRA layers over FP8 weights: FP8 tensor cores
             self.report += [{"stage": stage, **entry} for entry in fp8_gemm.rewrite(graph, self.device)]
@@ -140,7 +142,10 @@ class TritonBackend:
         if self.device.type == "cuda":
             if self._hashing is not None:
                 self._hashing.join()
-            precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
+            if compiling is None:
+                precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
+            else:
+                compiling.append(precompile.compile_later(ahead, self.device, f"kernels of the {stage} graph"))
         # "auto" leaves a graph run once per step (the head) in Python: little launch overhead to
         # save, and its trial capture would come at the step's memory peak, weights copied.
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):

@@ -7,6 +7,11 @@ calling module's own parameters as inputs, so the user's parameters receive the 
 Calls it cannot compile, and every call outside training (``eval()``, ``torch.no_grad()``,
 generation), run the module's original eager forward.
 
+A block region's programs compile their kernels in the background (``pipeline.compile_call(background=True)``):
+until they are ready each layer runs its call eagerly, once, so that the regions after it trace and
+plan while the compilers run; its next call waits for them. Not under a memory budget, nor with
+``verify``, nor for a head (``_eager_while_compiling``); ``explain`` counts the calls run so.
+
 With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
 compiles is first checked against the eager forward (``runtime/verify.py``); a program that differs
 makes the whole region run eagerly from then on, with a warning and a ``Fallback`` saying why.
@@ -123,6 +128,8 @@ class Region:
     _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
     _deferred: bool = False  # the first call ran eagerly (``_defer``)
+    eager_calls_while_compiling: int = 0  # calls run eagerly while a program's kernels compiled (``_compiled_or_none``)
+    _ran_eagerly: set = field(default_factory=set)  # (program id, layer path): eager while it compiled
     symbolic_first: bool = False  # see PROMOTE_AFTER
     _streak: tuple = (None, 0)  # (sizes of the last calls run by a symbolic program, how many in a row)
     _promoted: bool = False
@@ -159,6 +166,8 @@ class Region:
                 self.programs[key] = program
         if program is not None and program.dynamic and self.symbolic_first and not self._promoted:
             program = self._promote(module, path, signature, state, key) or program
+        if program is not None:
+            program = self._compiled_or_none(program, path)
         if program is None:
             return eager_forward(*args, **kwargs)
         if self.verify and id(program) not in self._verified and not self._verify(program, module, path,
@@ -201,6 +210,29 @@ class Region:
             if _covers(program.generic_key, generic) and program.admits(tensors):
                 return program
         return None
+
+    def _eager_while_compiling(self) -> bool:
+        """Whether this region's calls run eagerly while its kernels compile in the background
+        (``compile_call(background=True)``), instead of waiting for them: the next regions then trace
+        and plan while the compilers run. Only a block region (a head's eager forward would make the
+        whole logits), and neither under a memory budget (an eager call saves what eager saves, which
+        the budget did not plan) nor with ``verify`` (it checks a program's first call)."""
+        return self.kind == "block" and self.memory_budget is None and not self.verify
+
+    def _compiled_or_none(self, program: Program, path: str) -> Program | None:
+        """``program`` once its kernels are compiled; None: run this call eagerly, they are still
+        compiling. Each layer (``path``) runs eagerly once per program at most: its next call, a
+        step later, waits for the kernels (a step runs compiled from the second on)."""
+        if not program.compiling:
+            return program
+        eager = (id(program), path)
+        if self._eager_while_compiling() and not program.ready() and eager not in self._ran_eagerly:
+            self._ran_eagerly.add(eager)
+            self.eager_calls_while_compiling += 1
+            return None
+        program.wait()
+        self._ran_eagerly = {e for e in self._ran_eagerly if e[0] != id(program)}
+        return program
 
     def _defer(self, path: str, signature, key) -> bool:
         """Whether to run this call eagerly instead of compiling it: the region's very first call,
@@ -256,6 +288,7 @@ class Region:
                 module, path, signature, state, self.backend, memory_budget=self.memory_budget,
                 repeats=self.repeats, reserved_bytes=self.step.reserved_bytes(self, signature.tensors) if self.step else None,
                 price=self.step.price if self.step else SEARCH, dynamic=dynamic,
+                background=self._eager_while_compiling(),
             )
         except Unsupported as exc:
             others = len(self.modules) - 1

@@ -34,6 +34,7 @@ class RegionReport:
     traces: list[str] = field(default_factory=list)  # per call signature: traced, or read from the trace cache
     verified: list[str] = field(default_factory=list)  # verify mode: per program checked, the result
     notes: list[str] = field(default_factory=list)  # how its calls were served beyond one program per kind
+    eager_while_compiling: int = 0  # calls run eagerly while its kernels compiled in the background
 
 
 @dataclass
@@ -74,6 +75,8 @@ class Report:
                 lines.append(f"      {trace}")
             for note in r.notes:
                 lines.append(f"      {note}")
+            if r.eager_while_compiling:
+                lines.append(f"      {r.eager_while_compiling} call(s) ran eagerly while its kernels compiled in the background")
             for result in r.verified:
                 lines.append(f"      {result}")
             for decision in r.cuda_graphs:
@@ -138,6 +141,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             traces=_traces(region),
             verified=[v.describe() for v in region.verifications],
             notes=list(region.notes),
+            eager_while_compiling=region.eager_calls_while_compiling,
         ))
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):

@@ -1,0 +1,89 @@
+"""Kernels compiled in the background: a block's layers run eagerly while their program's kernels
+compile (``Region._compiled_or_none``), each layer once at most, then wait for them; the numbers are
+eager's meanwhile and the program's after.
+
+On the CPU no backend compiles kernels, so the eager backend is made to hand the runtime a compile
+still under way (a ``Future`` the test completes), as the Triton backend does on a GPU
+(``precompile.compile_later``)."""
+from __future__ import annotations
+
+import copy
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import loracc
+from loracc.codegen import EagerBackend
+from loracc.tools import presets
+from conftest import rel_err
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture
+def compiles_later(monkeypatch):
+    """The compiles handed out, as Futures the test completes."""
+    pending: list[Future] = []
+    real = EagerBackend.compile
+
+    def compile_later(self, gm, stage, after=None, repeats=1, compiling=None, **graph_inputs):
+        if compiling is not None:
+            pending.append(Future())
+            compiling.append(pending[-1])
+        return real(self, gm, stage, after=after, repeats=repeats, **graph_inputs)
+
+    monkeypatch.setattr(EagerBackend, "compile", compile_later)
+    return pending
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_as_eager(got, expected):
+    loss, grads = got
+    assert rel_err(loss, expected[0]) <= 1e-5
+    assert grads.keys() == expected[1].keys()
+    for name, grad in grads.items():
+        assert rel_err(grad, expected[1][name]) <= 1e-4, name
+
+
+def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(compiles_later):
+    eager, batch = presets.preset("llama", layers=3)
+    model = loracc.compile(copy.deepcopy(eager))
+    expected = _step(eager, batch)
+    block = next(r for r in model._loracc.regions if r.kind == "block")
+
+    # Step 1: layer 0's very first call is deferred (Region._defer); the program compiled at layer 1
+    # is still compiling, so layers 1 and 2 run eagerly too.
+    _assert_as_eager(_step(model, batch), expected)
+    assert compiles_later and not any(f.done() for f in compiles_later)
+    assert (block.calls, block.eager_calls_while_compiling) == (0, 2)
+
+    # Step 2: layer 0 has not run eagerly beside this program yet and does; layers 1 and 2 wait for the
+    # compile (done 0.3 s later) and run the program.
+    timer = threading.Timer(0.3, lambda: [f.set_result(0) for f in compiles_later])
+    timer.start()
+    _assert_as_eager(_step(model, batch), expected)
+    timer.join()
+    assert (block.calls, block.eager_calls_while_compiling) == (2, 3)
+
+    # Step 3: every layer runs the program.
+    _assert_as_eager(_step(model, batch), expected)
+    assert (block.calls, block.eager_calls_while_compiling) == (5, 3)
+    assert "3 call(s) ran eagerly while its kernels compiled in the background" in str(loracc.explain(model))
+
+
+def test_under_a_memory_budget_calls_wait_for_the_kernels(compiles_later):
+    """An eager call saves what eager saves, which a budget did not plan: nothing is compiled in
+    the background, every layer after the deferred first runs the program."""
+    eager, batch = presets.preset("llama", layers=3)
+    model = loracc.compile(copy.deepcopy(eager), memory_budget="1GB")
+    _assert_as_eager(_step(model, batch), _step(eager, batch))
+    block = next(r for r in model._loracc.regions if r.kind == "block")
+    assert not compiles_later and block.eager_calls_while_compiling == 0 and block.calls == 3
