@@ -52,10 +52,6 @@ class Program:
     # ``wait`` before the first call.
     compiling: list = field(default_factory=list)
 
-    def ready(self) -> bool:
-        """Whether every kernel the program launches is compiled (a call now waits for nothing)."""
-        return all(future.done() for future in self.compiling)
-
     def wait(self) -> None:
         """Wait for the kernels compiling in the background; the program then runs at full speed."""
         for future in self.compiling:

@@ -1,6 +1,6 @@
-"""Kernels compiled in the background: a block's layers run eagerly while their program's kernels
-compile (``Region._compiled_or_none``), each layer once at most, then wait for them; the numbers are
-eager's meanwhile and the program's after.
+"""Kernels compiled in the background: each of a block's layers runs its first call beside a program
+whose kernels compile in the background eagerly (``Region._compiled_or_none``), then waits for them;
+the numbers are eager's meanwhile and the program's after.
 
 On the CPU no backend compiles kernels, so the eager backend is made to hand the runtime a compile
 still under way (a ``Future`` the test completes), as the Triton backend does on a GPU
@@ -22,15 +22,22 @@ from conftest import rel_err
 pytest.importorskip("peft")
 
 
+class Compiles(list):
+    """The compiles handed out, as Futures the test completes (``done_at_once``: done when handed out)."""
+
+    done_at_once = False
+
+
 @pytest.fixture
 def compiles_later(monkeypatch):
-    """The compiles handed out, as Futures the test completes."""
-    pending: list[Future] = []
+    pending = Compiles()
     real = EagerBackend.compile
 
     def compile_later(self, gm, stage, after=None, repeats=1, compiling=None, **graph_inputs):
         if compiling is not None:
             pending.append(Future())
+            if pending.done_at_once:
+                pending[-1].set_result(0)
             compiling.append(pending[-1])
         return real(self, gm, stage, after=after, repeats=repeats, **graph_inputs)
 
@@ -59,8 +66,8 @@ def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(
     expected = _step(eager, batch)
     block = next(r for r in model._loracc.regions if r.kind == "block")
 
-    # Step 1: layer 0's very first call is deferred (Region._defer); the program compiled at layer 1
-    # is still compiling, so layers 1 and 2 run eagerly too.
+    # Step 1: layer 0's very first call is deferred (Region._defer); layers 1 and 2 run eagerly beside
+    # the program compiled at layer 1.
     _assert_as_eager(_step(model, batch), expected)
     assert compiles_later and not any(f.done() for f in compiles_later)
     assert (block.calls, block.eager_calls_while_compiling) == (0, 2)
@@ -77,6 +84,18 @@ def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(
     _assert_as_eager(_step(model, batch), expected)
     assert (block.calls, block.eager_calls_while_compiling) == (5, 3)
     assert "3 call(s) ran eagerly while its kernels compiled in the background" in str(loracc.explain(model))
+
+
+def test_a_compile_done_early_changes_nothing(compiles_later):
+    """Which calls run eagerly does not depend on when the compile finishes (a seed draws the same
+    dropout masks whatever the compilers' timing): done at once, layers 1 and 2 still run step 1
+    eagerly."""
+    compiles_later.done_at_once = True
+    eager, batch = presets.preset("llama", layers=3)
+    model = loracc.compile(copy.deepcopy(eager))
+    _assert_as_eager(_step(model, batch), _step(eager, batch))
+    block = next(r for r in model._loracc.regions if r.kind == "block")
+    assert all(f.done() for f in compiles_later) and (block.calls, block.eager_calls_while_compiling) == (0, 2)
 
 
 def test_under_a_memory_budget_calls_wait_for_the_kernels(compiles_later):

@@ -8,8 +8,8 @@ Calls it cannot compile, and every call outside training (``eval()``, ``torch.no
 generation), run the module's original eager forward.
 
 A block region's programs compile their kernels in the background (``pipeline.compile_call(background=True)``):
-until they are ready each layer runs its call eagerly, once, so that the regions after it trace and
-plan while the compilers run; its next call waits for them. Not under a memory budget, nor with
+meanwhile each layer runs its first call eagerly, so that the regions after it trace and plan while
+the compilers run; its next call waits for them. Not under a memory budget, nor with
 ``verify``, nor for a head (``_eager_while_compiling``); ``explain`` counts the calls run so.
 
 With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
@@ -220,13 +220,15 @@ class Region:
         return self.kind == "block" and self.memory_budget is None and not self.verify
 
     def _compiled_or_none(self, program: Program, path: str) -> Program | None:
-        """``program`` once its kernels are compiled; None: run this call eagerly, they are still
-        compiling. Each layer (``path``) runs eagerly once per program at most: its next call, a
-        step later, waits for the kernels (a step runs compiled from the second on)."""
+        """``program`` with its kernels compiled; None: run this call eagerly. While a program's
+        kernels compile in the background each layer (``path``) runs its first call beside it
+        eagerly, whether the compile has finished or not (so a run does the same thing whatever the
+        compile's timing: a seed draws the same dropout masks), and its next call, a step later,
+        waits for them: a step runs the program from the second on."""
         if not program.compiling:
             return program
         eager = (id(program), path)
-        if self._eager_while_compiling() and not program.ready() and eager not in self._ran_eagerly:
+        if self._eager_while_compiling() and eager not in self._ran_eagerly:
             self._ran_eagerly.add(eager)
             self.eager_calls_while_compiling += 1
             return None
