@@ -86,8 +86,10 @@ def test_fp16_autocast_with_grad_scaler_matches_eager(device):
     assert all(rel_err(e_params[n], initial[n]) > 1e-3 for n in initial), "training did not move the adapters"
 
     regions = {r.kind: r for r in model._loracc.regions}
-    # every layer call compiled but the first layer's very first (eager: Region._defer)
-    assert regions["block"].calls == 2 * len(data) - 1 and regions["head"].calls == len(data)
+    # every layer call compiled but the first layer's very first (eager: Region._defer) and, on a GPU,
+    # those run eagerly while the kernels compiled (Region._compiled_or_none)
+    block = regions["block"]
+    assert block.calls + block.eager_calls_while_compiling == 2 * len(data) - 1 and regions["head"].calls == len(data)
     assert not loracc.explain(model).fallbacks
     # Under fp16 the head runs the model's own lm_head + loss (not the fused op): the loss scaler's
     # factor reaches the hidden gradient only in the backward.

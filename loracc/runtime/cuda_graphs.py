@@ -157,7 +157,9 @@ class Graphed:
         check_lent(self.static_inputs, outputs, self.in_place, self.lend_from)
         self.routes = routes(self.static_inputs, outputs, self.in_place, self.lend_from)
         del outputs
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: a CUDA call another thread makes meanwhile (a kernel compiled in the background
+        # loading) is not this capture's.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             outputs = list(fn(*self.static_inputs))
             for j, k in self.routes.items():  # last: every read of the input buffer comes before
                 outputs[j] = self.static_inputs[k].copy_(outputs[j])

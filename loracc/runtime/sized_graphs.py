@@ -189,7 +189,7 @@ class SizedGraphs:
             if not self._warmed:  # the stage's first capture: whatever a new stream initialises lazily (cuBLAS's workspace)
                 self.fn(*static_inputs)
                 self._warmed = True
-            graph.capture_begin(pool=self.pool.handle())
+            graph.capture_begin(pool=self.pool.handle(), capture_error_mode="thread_local")  # as cuda_graphs.Graphed
             try:
                 outputs = list(self.fn(*static_inputs))
                 for view, j in zip(out_views, copied):
