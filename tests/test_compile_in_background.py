@@ -1,6 +1,6 @@
 """Kernels compiled in the background: each of a block's layers runs its first call beside a program
-whose kernels compile in the background eagerly (``Region._compiled_or_none``), then waits for them;
-the numbers are eager's meanwhile and the program's after.
+whose kernels compile in the background eagerly, checkpointed (``Region._beside_compile``), then
+waits for them; the numbers are eager's meanwhile and the program's after.
 
 On the CPU no backend compiles kernels, so the eager backend is made to hand the runtime a compile
 still under way (a ``Future`` the test completes), as the Triton backend does on a GPU
@@ -84,6 +84,36 @@ def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(
     _assert_as_eager(_step(model, batch), expected)
     assert (block.calls, block.eager_calls_while_compiling) == (5, 3)
     assert "3 call(s) ran eagerly while its kernels compiled in the background" in str(loracc.explain(model))
+
+
+def _saved_bytes_of_a_step(model, batch) -> int:
+    """The bytes autograd keeps for the backward over a forward (outside checkpoints: what a step holds)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    return sum(saved)
+
+
+def test_eager_calls_beside_a_compile_are_checkpointed_and_hold_less_than_the_program(compiles_later, monkeypatch):
+    """An eager layer would save what eager saves (several times the program's activations: the
+    first step's peak would be eager's); checkpointed, it saves its inputs and runs again in the
+    backward. The step that runs layers 1 and 2 so saves less than the step that runs the program."""
+    eager, batch = presets.preset("llama", layers=3, seq=29)
+    beside = loracc.compile(copy.deepcopy(eager))
+    first = _saved_bytes_of_a_step(beside, batch)
+    assert next(r for r in beside._loracc.regions if r.kind == "block").eager_calls_while_compiling == 2
+    monkeypatch.setattr(loracc.runtime.region.Region, "_eager_while_compiling", lambda self: False)
+    waiting = loracc.compile(copy.deepcopy(eager))
+    _step(waiting, batch)  # layer 0's deferred call
+    compiles_later[-1].set_result(0)
+    assert _saved_bytes_of_a_step(waiting, batch) > first
+    assert next(r for r in waiting._loracc.regions if r.kind == "block").eager_calls_while_compiling == 0
 
 
 def test_a_compile_done_early_changes_nothing(compiles_later):

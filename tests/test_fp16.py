@@ -87,7 +87,7 @@ def test_fp16_autocast_with_grad_scaler_matches_eager(device):
 
     regions = {r.kind: r for r in model._loracc.regions}
     # every layer call compiled but the first layer's very first (eager: Region._defer) and, on a GPU,
-    # those run eagerly while the kernels compiled (Region._compiled_or_none)
+    # those run eagerly while the kernels compiled (Region._beside_compile)
     block = regions["block"]
     assert block.calls + block.eager_calls_while_compiling == 2 * len(data) - 1 and regions["head"].calls == len(data)
     assert not loracc.explain(model).fallbacks

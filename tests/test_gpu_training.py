@@ -90,7 +90,7 @@ def test_dropout_in_replayed_graphs_draws_the_masks_of_the_python_run():
     model, batch = model.cuda(), {k: v.cuda() for k, v in batch.items()}
     python = loracc.compile(copy.deepcopy(model), cuda_graphs=False)
     graphed = loracc.compile(model, cuda_graphs=True)
-    # Step 1 runs eagerly while the kernels compile (Region._compiled_or_none), steps 2-3 capture the
+    # Step 1 runs eagerly while the kernels compile (Region._beside_compile), steps 2-3 capture the
     # graphs (a capture's warm-up run draws too), steps 4-6 replay.
     seeds = [11, 12, 13, 14, 15, 14]
     losses, grads = _steps(graphed, batch, seeds)

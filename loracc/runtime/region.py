@@ -8,8 +8,9 @@ Calls it cannot compile, and every call outside training (``eval()``, ``torch.no
 generation), run the module's original eager forward.
 
 A block region's programs compile their kernels in the background (``pipeline.compile_call(background=True)``):
-meanwhile each layer runs its first call eagerly, so that the regions after it trace and plan while
-the compilers run; its next call waits for them. Not under a memory budget, nor with
+meanwhile each layer runs its first call eagerly, checkpointed (it saves its inputs only and runs
+again in the backward), so that the regions after it trace and plan while the compilers run; its
+next call waits for them. Not under a memory budget, nor with
 ``verify``, nor for a head (``_eager_while_compiling``); ``explain`` counts the calls run so.
 
 With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import _compat
 from ..capture.trace import call_signature, module_state, tensor_key
@@ -128,7 +130,7 @@ class Region:
     _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
     _deferred: bool = False  # the first call ran eagerly (``_defer``)
-    eager_calls_while_compiling: int = 0  # calls run eagerly while a program's kernels compiled (``_compiled_or_none``)
+    eager_calls_while_compiling: int = 0  # calls run eagerly while a program's kernels compiled (``_beside_compile``)
     _ran_eagerly: set = field(default_factory=set)  # (program id, layer path): eager while it compiled
     symbolic_first: bool = False  # see PROMOTE_AFTER
     _streak: tuple = (None, 0)  # (sizes of the last calls run by a symbolic program, how many in a row)
@@ -166,8 +168,10 @@ class Region:
                 self.programs[key] = program
         if program is not None and program.dynamic and self.symbolic_first and not self._promoted:
             program = self._promote(module, path, signature, state, key) or program
-        if program is not None:
-            program = self._compiled_or_none(program, path)
+        if program is not None and program.compiling and self._beside_compile(program, path):
+            # Checkpointed: it saves its inputs only, and runs again in the backward (a step's peak
+            # stays the compiled step's, not eager's).
+            return checkpoint(eager_forward, *args, use_reentrant=False, **kwargs)
         if program is None:
             return eager_forward(*args, **kwargs)
         if self.verify and id(program) not in self._verified and not self._verify(program, module, path,
@@ -215,26 +219,24 @@ class Region:
         """Whether this region's calls run eagerly while its kernels compile in the background
         (``compile_call(background=True)``), instead of waiting for them: the next regions then trace
         and plan while the compilers run. Only a block region (a head's eager forward would make the
-        whole logits), and neither under a memory budget (an eager call saves what eager saves, which
-        the budget did not plan) nor with ``verify`` (it checks a program's first call)."""
+        whole logits), and neither under a memory budget (its plan does not count an eager layer's
+        recompute) nor with ``verify`` (it checks a program's first call)."""
         return self.kind == "block" and self.memory_budget is None and not self.verify
 
-    def _compiled_or_none(self, program: Program, path: str) -> Program | None:
-        """``program`` with its kernels compiled; None: run this call eagerly. While a program's
-        kernels compile in the background each layer (``path``) runs its first call beside it
-        eagerly, whether the compile has finished or not (so a run does the same thing whatever the
-        compile's timing: a seed draws the same dropout masks), and its next call, a step later,
-        waits for them: a step runs the program from the second on."""
-        if not program.compiling:
-            return program
+    def _beside_compile(self, program: Program, path: str) -> bool:
+        """Whether this call runs eagerly beside ``program``, whose kernels compile in the background;
+        else it waits for them. Each layer (``path``) runs its first call beside a program eagerly,
+        whether the compile has finished or not (so a run does the same thing whatever the compile's
+        timing: a seed draws the same dropout masks), and its next call, a step later, waits: a
+        step runs the program from the second on."""
         eager = (id(program), path)
         if self._eager_while_compiling() and eager not in self._ran_eagerly:
             self._ran_eagerly.add(eager)
             self.eager_calls_while_compiling += 1
-            return None
+            return True
         program.wait()
         self._ran_eagerly = {e for e in self._ran_eagerly if e[0] != id(program)}
-        return program
+        return False
 
     def _defer(self, path: str, signature, key) -> bool:
         """Whether to run this call eagerly instead of compiling it: the region's very first call,
