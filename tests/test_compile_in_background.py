@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import loracc
 from loracc.codegen import EagerBackend
@@ -103,7 +104,9 @@ def _saved_bytes_of_a_step(model, batch) -> int:
 def test_eager_calls_beside_a_compile_are_checkpointed_and_hold_less_than_the_program(compiles_later, monkeypatch):
     """An eager layer would save what eager saves (several times the program's activations: the
     first step's peak would be eager's); checkpointed, it saves its inputs and runs again in the
-    backward. The step that runs layers 1 and 2 so saves less than the step that runs the program."""
+    backward. The step that runs layers 1 and 2 so saves less than the step that runs the program.
+    (The bytes are counted with saved-tensor hooks, under which calls would wait: not for these.)"""
+    monkeypatch.setattr(loracc._compat, "saved_tensors_hooks_active", lambda: False)
     eager, batch = presets.preset("llama", layers=3, seq=29)
     beside = loracc.compile(copy.deepcopy(eager))
     first = _saved_bytes_of_a_step(beside, batch)
@@ -126,6 +129,25 @@ def test_a_compile_done_early_changes_nothing(compiles_later):
     _assert_as_eager(_step(model, batch), _step(eager, batch))
     block = next(r for r in model._loracc.regions if r.kind == "block")
     assert all(f.done() for f in compiles_later) and (block.calls, block.eager_calls_while_compiling) == (0, 2)
+
+
+def test_inside_a_non_reentrant_checkpoint_calls_wait_for_the_kernels(compiles_later):
+    """A non-reentrant checkpoint around the layers recomputes them in the backward: an eager first
+    call would be recomputed by the program, which saves other tensors (the checkpoint refuses
+    that). Inside it (saved-tensor hooks in force) a call waits for the kernels; the step is eager's."""
+    compiles_later.done_at_once = True
+    eager, batch = presets.preset("llama", layers=3)
+    model = loracc.compile(copy.deepcopy(eager))
+
+    def checkpointed(m):
+        m.zero_grad(set_to_none=True)
+        loss = torch.utils.checkpoint.checkpoint(lambda: m(**batch).loss, use_reentrant=False)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    _assert_as_eager(checkpointed(model), checkpointed(eager))
+    block = next(r for r in model._loracc.regions if r.kind == "block")
+    assert block.eager_calls_while_compiling == 0 and block.calls > 0
 
 
 def test_under_a_memory_budget_calls_wait_for_the_kernels(compiles_later):

@@ -8,8 +8,8 @@ threads: the compilers run side by side, then each kernel is loaded and its laun
 first launches find them ready. ``loracc.FusedAdamW`` starts its kernel's compile on a background
 thread when it is built (``in_background``), while the first forward and backward run.
 ``compile_later`` does a graph's ``compile_ahead`` on a background thread instead of waiting for it
-(``COMPILING_AT_ONCE`` graphs at a time): the runtime runs a region eagerly until its kernels are
-ready, so that the next regions trace while the compilers run (``runtime.region``).
+(``COMPILING_AT_ONCE`` graphs at a time): meanwhile the runtime runs each layer's first call eagerly,
+so that the next regions trace while the compilers run (``runtime.region``).
 
 A kernel is compiled ahead from its signature: the dtypes of its pointer arguments, where they start
 modulo 16 bytes, and the values of its integer arguments, all known from the traced graph. A launch

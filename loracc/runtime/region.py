@@ -10,8 +10,9 @@ generation), run the module's original eager forward.
 A block region's programs compile their kernels in the background (``pipeline.compile_call(background=True)``):
 meanwhile each layer runs its first call eagerly, checkpointed (it saves its inputs only and runs
 again in the backward), so that the regions after it trace and plan while the compilers run; its
-next call waits for them. Not under a memory budget, nor with
-``verify``, nor for a head (``_eager_while_compiling``); ``explain`` counts the calls run so.
+next call waits for them. Not under a memory budget, with ``verify``, for a head
+(``_eager_while_compiling``) or inside a checkpoint (``_beside_compile``); ``explain`` counts the
+calls run so.
 
 With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
 compiles is first checked against the eager forward (``runtime/verify.py``); a program that differs
@@ -228,9 +229,11 @@ class Region:
         else it waits for them. Each layer (``path``) runs its first call beside a program eagerly,
         whether the compile has finished or not (so a run does the same thing whatever the compile's
         timing: a seed draws the same dropout masks), and its next call, a step later, waits: a
-        step runs the program from the second on."""
+        step runs the program from the second on. Under saved-tensor hooks (an enclosing
+        non-reentrant checkpoint: its recompute would run the program, which saves other tensors
+        than the eager call did) the call waits."""
         eager = (id(program), path)
-        if self._eager_while_compiling() and eager not in self._ran_eagerly:
+        if self._eager_while_compiling() and eager not in self._ran_eagerly and not _compat.saved_tensors_hooks_active():
             self._ran_eagerly.add(eager)
             self.eager_calls_while_compiling += 1
             return True
@@ -243,10 +246,12 @@ class Region:
         from a block's first layer, whose floating-point inputs need no gradient (they come from a
         frozen embedding) while the layers after it will need them. Their program, compiled at the
         next call, then serves this layer too (``_covering_program``): one compile, not two. Never
-        under a memory budget: an eager layer saves what eager saves, which the budget did not plan."""
+        under a memory budget (an eager layer saves what eager saves, which the budget did not plan)
+        nor under saved-tensor hooks (an enclosing non-reentrant checkpoint would recompute the call
+        with the program, which saves other tensors)."""
         if self.kind != "block" or len(self.modules) < 2 or path != self.modules[0] or self.programs or self._deferred:
             return False
-        if self.memory_budget is not None:
+        if self.memory_budget is not None or _compat.saved_tensors_hooks_active():
             return False
         if not any(t.is_floating_point() and not t.requires_grad for t in signature.tensors):
             return False
