@@ -15,23 +15,23 @@ import functools
 import torch
 
 from ..ir import cross_entropy as reference
+from ..ir.dtypes import SHORT_NAMES
 from . import cache, lora_linear
 from .render import render
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def source(vocab: int, dtype: torch.dtype, ignore_index: int, scale: float = 1.0, softcap: float | None = None
            ) -> tuple[str, str]:
     """The kernel's name and source; the logit multiplier ``scale`` and ``softcap`` are constants in it."""
     reference.check_logit_transform(scale, softcap)
-    name = f"cross_entropy_rows_v{vocab}_{DTYPE_NAMES[dtype]}"
+    name = f"cross_entropy_rows_v{vocab}_{SHORT_NAMES[dtype]}"
     name += "_scaled" if float(scale) != 1.0 else ""
     name += "_softcapped" if softcap is not None else ""
     scale, softcap = repr(float(scale)), None if softcap is None else repr(float(softcap))
     transform = [] if scale == "1.0" else [f"{{x}} = {{x}} * {scale}"]  # statements on x, in order
     transform += [] if softcap is None else [f"{{x}} = {softcap} * _tanh({{x}} / {softcap})"]
-    return name, render("cross_entropy.py.jinja", name=name, V=vocab, dtype=DTYPE_NAMES[dtype], ignore_index=ignore_index,
+    return name, render("cross_entropy.py.jinja", name=name, V=vocab, dtype=SHORT_NAMES[dtype], ignore_index=ignore_index,
                         logit_scale=scale, softcap=softcap, transform=transform)
 
 
@@ -81,7 +81,7 @@ def warmup(weight, labels, ignore_index: int, device: torch.device, scale: float
 
 def unsupported(hidden, weight, labels) -> str | None:
     """Why the kernel cannot run this call (the reference op runs it), or None."""
-    if weight.dtype not in DTYPE_NAMES or hidden.dtype != weight.dtype:
+    if weight.dtype not in SHORT_NAMES or hidden.dtype != weight.dtype:
         return f"hidden {hidden.dtype} / weight {weight.dtype}: the kernel takes one float dtype"
     if labels.dtype != torch.int64:
         return f"labels are {labels.dtype}, not int64"

@@ -37,12 +37,13 @@ import warnings
 import torch
 import torch.fx as fx
 
+from ..ir.dtypes import SHORT_NAMES
 from ..ir.graph import info, value
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD, lora_linear_backward, or_empty
 from ..quant.fp8 import DEQUANT_FP8, FP8, dequantize_fp8, quantize_fp8
 from . import cache
 from . import lora_linear as lora_kernels
-from .lora_gemm import DTYPE_NAMES, triton_cdiv
+from .lora_gemm import triton_cdiv
 from .render import render
 
 Tensor = torch.Tensor
@@ -79,7 +80,7 @@ def quantize_rows_reference(x: Tensor, col_scale: Tensor | None = None) -> tuple
 
 @functools.cache
 def _quant_kernel(cols: int, dtype: torch.dtype, col_scale: bool, device: torch.device):
-    dt = DTYPE_NAMES[dtype]
+    dt = SHORT_NAMES[dtype]
     name = f"fp8_quant_rows_{cols}_{dt}{'_colscaled' if col_scale else ''}"
     shapes = [f"x: [M, {cols}] {dt}"] + ([f"col_scale: [{cols}] fp32"] if col_scale else []) + [
         f"q: [M, {cols}] float8_e4m3fn", "scale: [M] fp32"]

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ir.dtypes import SHORT_NAMES
 from . import cache
 from .render import render
 
 Tensor = torch.Tensor
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-KERNEL_DTYPES = tuple(DTYPE_NAMES)
+KERNEL_DTYPES = tuple(SHORT_NAMES)
 # tl.dot needs every dimension >= 16; the u tile ([BLOCK_M, rank] in fp32) lives in registers.
 MIN_DOT = 16
 MAX_RANK = 64
@@ -97,7 +97,7 @@ class LoraGemm:
 
     @property
     def name(self) -> str:
-        dt = DTYPE_NAMES[self.dtype]
+        dt = SHORT_NAMES[self.dtype]
         if self.use == "forward":
             flags = ("_bias" if self.has_bias else "") + ("_dropout" if self.lora_in == "loaded" else "")
             return f"lora_linear_fwd_{self.in_features}x{self.out_features}_r{self.rank}_{dt}{flags}"
@@ -106,7 +106,7 @@ class LoraGemm:
 
     def variables(self) -> dict:
         """The template's variables for this instance."""
-        i, o, r, dt = self.in_features, self.out_features, self.rank, DTYPE_NAMES[self.dtype]
+        i, o, r, dt = self.in_features, self.out_features, self.rank, SHORT_NAMES[self.dtype]
         common = dict(
             name=self.name, R=r, R_PAD=rank_padded(r), has_bias=self.has_bias, lora_in=self.lora_in,
             lora_out=self.lora_out, precision="ieee" if self.dtype == torch.float32 else "",

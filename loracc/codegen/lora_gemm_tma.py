@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ir.dtypes import SHORT_NAMES
 from . import cache
-from .lora_gemm import DTYPE_NAMES, Config, rank_padded, rows_on_16_bytes, triton_cdiv
+from .lora_gemm import Config, rank_padded, rows_on_16_bytes, triton_cdiv
 from .render import render
 
 Tensor = torch.Tensor
@@ -49,7 +50,7 @@ class TmaLoraGemm:
 
     @property
     def name(self) -> str:
-        dt = DTYPE_NAMES[self.dtype]
+        dt = SHORT_NAMES[self.dtype]
         if self.use == "forward":
             return f"lora_linear_fwd_tma_{self.in_features}x{self.out_features}_r{self.rank}_{dt}" + ("_bias" if self.has_bias else "")
         return f"lora_linear_grad_x_tma_{self.out_features}x{self.in_features}_r{self.rank}_{dt}"
@@ -60,7 +61,7 @@ class TmaLoraGemm:
         return rows_on_16_bytes(self.dtype, self.in_features, self.out_features, self.rank)
 
     def source(self) -> str:
-        i, o, r, dt = self.in_features, self.out_features, self.rank, DTYPE_NAMES[self.dtype]
+        i, o, r, dt = self.in_features, self.out_features, self.rank, SHORT_NAMES[self.dtype]
         common = dict(name=self.name, use=self.use, R=r, R_PAD=rank_padded(r), has_bias=self.has_bias,
                       precision="ieee" if self.dtype == torch.float32 else "")
         if self.use == "forward":

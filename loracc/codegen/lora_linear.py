@@ -31,10 +31,11 @@ from typing import Callable
 import torch
 
 from .. import _compat
+from ..ir.dtypes import SHORT_NAMES
 from ..ir.ops import or_empty
 from . import autotune
 from . import lora_gemm_tma
-from .lora_gemm import DTYPE_NAMES, GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
+from .lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
 from .lora_gemm_tma import TmaLoraGemm
 
 Tensor = torch.Tensor
@@ -297,7 +298,7 @@ def _grad_input(gy2, weight, lora_a, lora_b, a_c, b_c, scale, flags):
                      **impls}
             name = gemm.name
         else:
-            name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{DTYPE_NAMES[gy2.dtype]}_{flags}"
+            name = f"grad_input_cublas_{weight.shape[1]}x{weight.shape[0]}_r{lora_a.shape[0]}_{SHORT_NAMES[gy2.dtype]}_{flags}"
         impl = _plan(key, name, impls, args, lora_a.dtype)
     return impl(*args)
 

@@ -16,9 +16,9 @@ import functools
 
 import torch
 
+from ..ir.dtypes import SHORT_NAMES
 from ..quant.nf4 import dequant_nf4, dequantize_absmax
 from . import cache
-from .lora_gemm import DTYPE_NAMES
 from .render import render
 
 Tensor = torch.Tensor
@@ -29,7 +29,7 @@ BLOCK = 1024  # elements per program
 def _kernel(blocksize: int, nested_blocksize: int | None, dtype: torch.dtype, device: torch.device):
     """The decoding kernel; ``nested_blocksize`` None for an fp32 absmax, else the blocks of its
     double quantization, decoded in the kernel too."""
-    dt = DTYPE_NAMES[dtype]
+    dt = SHORT_NAMES[dtype]
     nested = nested_blocksize is not None
     name = f"nf4_dequant_b{blocksize}" + (f"_nested{nested_blocksize}" if nested else "") + f"_{dt}"
     shapes = ["packed: [N/2] uint8", f"absmax: [N/{blocksize}] " + ("uint8" if nested else "fp32"), "quant_map: [16] fp32",
@@ -72,7 +72,7 @@ GPU_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, 
 
 @functools.cache
 def _gemm_kernel(mode: str, out_features: int, in_features: int, blocksize: int, dtype: torch.dtype, device: torch.device):
-    dt = DTYPE_NAMES[dtype]
+    dt = SHORT_NAMES[dtype]
     reduced, cols = (in_features, out_features) if mode == "forward" else (out_features, in_features)
     name = f"nf4_gemm_{mode}_{out_features}x{in_features}_b{blocksize}_{dt}"
     shapes = [f"a: [M, {reduced}] {dt}", f"packed: [{out_features}·{in_features}/2] uint8",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraccError
+from ..ir.dtypes import BY_NAME
 
 Tensor = torch.Tensor
 
@@ -41,7 +42,6 @@ NF4_CODE = (
 BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256
 QUANT_STATE_KEY = "quant_state.bitsandbytes__nf4"
-DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def nf4_code(device=None) -> Tensor:
@@ -227,7 +227,7 @@ def from_state_dict(tensors: dict[str, Tensor], key: str) -> NF4Weight:
             )
         return tensor
 
-    if meta.get("quant_type", "nf4") != "nf4" or dtype not in DTYPE_BY_NAME or blocksize <= 0:
+    if meta.get("quant_type", "nf4") != "nf4" or dtype not in BY_NAME or blocksize <= 0:
         raise LoraccError(f"quantized checkpoint: {state_keys[0]} describes quant_type={meta.get('quant_type')!r}, "
                           f"dtype={dtype!r}, blocksize={blocksize}; loracc reads NF4 weights of float32/bfloat16/float16")
     n = 1
@@ -238,7 +238,7 @@ def from_state_dict(tensors: dict[str, Tensor], key: str) -> NF4Weight:
     packed = check("", get(""), -(-n // 2), (torch.uint8,)).reshape(-1)
     absmax = check("absmax", get("absmax"), blocks, (torch.uint8,) if nested else (torch.float32,))
     quant_map = check("quant_map", get("quant_map"), 16, (torch.float32,))
-    q = NF4Weight(packed, absmax, quant_map, shape, DTYPE_BY_NAME[dtype], blocksize)
+    q = NF4Weight(packed, absmax, quant_map, shape, BY_NAME[dtype], blocksize)
     if nested:
         nested_blocksize = int(meta.get("nested_blocksize", 0))
         if nested_blocksize <= 0 or "nested_offset" not in meta:

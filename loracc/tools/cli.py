@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from ..ir.dtypes import BY_NAME
 from ..runtime import verify
 from . import presets
 from ..errors import LoraccError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(spec: str, *, r: int = 8, targets=None, batch: int = 2, seq: int = 32, dtype: str = "float32",
@@ -56,8 +56,8 @@ def load_model(spec: str, *, r: int = 8, targets=None, batch: int = 2, seq: int 
         raise LoraccError(
             f"model {spec!r} is neither a preset ({', '.join(presets.PRESETS)}), a local directory nor module:function"
         )
-    model = model.to(device=device, dtype=DTYPES[dtype]) if dtype != "float32" or device != "cpu" else model
-    example = _to(example, device, DTYPES[dtype])
+    model = model.to(device=device, dtype=BY_NAME[dtype]) if dtype != "float32" or device != "cpu" else model
+    example = _to(example, device, BY_NAME[dtype])
     return model.train(), example
 
 
@@ -260,7 +260,7 @@ def _add_model_args(parser) -> None:
     parser.add_argument("--targets", nargs="+", default=None, help="module names LoRA is added to (default: all 7 projections)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(BY_NAME), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--memory-budget", default=None, help="None, a fraction like 0.5, bytes, or '8GB'")

@@ -46,6 +46,7 @@ import logging
 import torch
 
 from ..errors import LoraccError
+from ..ir.dtypes import SHORT_NAMES
 from ..options import INT8_STATE_BLOCK, OPTIMIZER_STATES
 from ..quant.nf4 import dynamic_map
 
@@ -57,7 +58,6 @@ ALIGN_BYTES = 128
 BLOCK = 1024
 QBLOCK = INT8_STATE_BLOCK  # elements per absmax of the 8-bit moments (bitsandbytes' blockwise 8-bit optimizers)
 STATE_DTYPES = OPTIMIZER_STATES  # loracc.compile(optimizer_state=...) names the same two
-KERNEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # torch.optim.AdamW's arguments that FusedAdamW does not implement, with the only value it accepts.
 FIXED_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                "differentiable": False, "fused": None}
@@ -371,7 +371,7 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
         compiling = _compiling.pop((param.dtype, param.device), None)
         if compiling is not None:
             compiling.result()
-        kernel = _kernel(KERNEL_DTYPES[param.dtype], param.device)
+        kernel = _kernel(SHORT_NAMES[param.dtype], param.device)
         kernel[(-(-param.numel() // BLOCK),)](param, grad, exp_avg, exp_avg_sq, param.numel(), **scalars,
                                                BLOCK=BLOCK, num_warps=4)
         return
@@ -430,7 +430,7 @@ def adamw8bit_update(param: Tensor, grad: Tensor, state1: Tensor, state2: Tensor
     scalars = _scalars(group, step)
     reason = _kernel_unavailable(param)
     if reason is None:
-        kernel = _kernel(KERNEL_DTYPES[param.dtype], param.device, "int8")
+        kernel = _kernel(SHORT_NAMES[param.dtype], param.device, "int8")
         kernel[(param.numel() // QBLOCK,)](param, grad, state1, state2, absmax1, absmax2, maps[0], bounds[0], maps[1],
                                           bounds[1], param.numel(), **scalars, BLOCK=QBLOCK, num_warps=4)
         return
@@ -444,8 +444,8 @@ def adamw8bit_update(param: Tensor, grad: Tensor, state1: Tensor, state2: Tensor
 
 def _kernel_unavailable(param: Tensor) -> str | None:
     """Why the fused kernel cannot update ``param``; None when it can."""
-    if param.dtype not in KERNEL_DTYPES:
-        return f"parameters in {param.dtype} (the kernel takes {', '.join(map(str, KERNEL_DTYPES))})"
+    if param.dtype not in SHORT_NAMES:
+        return f"parameters in {param.dtype} (the kernel takes {', '.join(map(str, SHORT_NAMES))})"
     from ..codegen.triton_backend import available
 
     return available(param.device)
@@ -472,7 +472,7 @@ def _warmup(data: Tensor):
     from ..codegen.precompile import pointer
 
     fp32 = pointer(torch.float32)
-    return _kernel(KERNEL_DTYPES[data.dtype], data.device).warmup(
+    return _kernel(SHORT_NAMES[data.dtype], data.device).warmup(
         pointer(data), pointer(data), fp32, fp32, data.numel(), **dict.fromkeys(SCALARS, 1.0), BLOCK=BLOCK, num_warps=4,
         grid=(1,))
 
