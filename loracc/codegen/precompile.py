@@ -97,12 +97,22 @@ _later: ThreadPoolExecutor | None = None
 
 def compile_later(jobs: list[Callable[[], object]], device: torch.device | None, what: str = "kernels") -> Future:
     """``compile_ahead(jobs, device, what)`` on a background thread: a ``Future`` done when every
-    kernel is compiled and loaded (its result: how many were submitted). A kernel launched before
-    then is compiled by its launch or waits for the compile under way (Triton's), never run half-made."""
+    kernel is compiled and loaded (its result: how many were submitted; 0 where the compile failed,
+    and the kernels compile at their launches). A kernel launched before then is compiled by its
+    launch or waits for the compile under way (Triton's), never run half-made."""
     global _later
     if _later is None:
         _later = ThreadPoolExecutor(max_workers=COMPILING_AT_ONCE, thread_name_prefix="loracc-compile-later")
-    return _later.submit(compile_ahead, jobs, _indexed(device), what)
+    device = _indexed(device)
+
+    def run() -> int:
+        try:
+            return compile_ahead(jobs, device, what)
+        except Exception as exc:  # noqa: BLE001 - the kernels then compile at their launches, which say why
+            log.debug("loracc: compiling %s in the background failed: %s", what, exc)
+            return 0
+
+    return _later.submit(run)
 
 
 _background: ThreadPoolExecutor | None = None
