@@ -286,3 +286,15 @@ def test_kernels_are_loaded_on_the_graphs_device(monkeypatch):
     kernel = Compiled()
     precompile._load(kernel, torch.device("cuda", 1))
     assert kernel.loaded_on == torch.device("cuda", 1)
+
+
+def test_a_background_compile_that_fails_leaves_the_kernels_to_their_launches(monkeypatch):
+    """``compile_later``: a compile that raises is logged, and its Future completes (0 kernels)
+    instead of raising at the program's first call (``Program.wait``)."""
+    from loracc.codegen import precompile
+
+    def broken(jobs, device, what):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(precompile, "compile_ahead", broken)
+    assert precompile.compile_later([lambda: None], None, "kernels of a test graph").result(timeout=30) == 0
