@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 import loracc
 from loracc.codegen import EagerBackend
 from loracc.tools import presets
-from conftest import rel_err
+from test_verify import _assert_same, _step
 
 pytest.importorskip("peft")
 
@@ -46,21 +46,6 @@ def compiles_later(monkeypatch):
     return pending
 
 
-def _step(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _assert_as_eager(got, expected):
-    loss, grads = got
-    assert rel_err(loss, expected[0]) <= 1e-5
-    assert grads.keys() == expected[1].keys()
-    for name, grad in grads.items():
-        assert rel_err(grad, expected[1][name]) <= 1e-4, name
-
-
 def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(compiles_later):
     eager, batch = presets.preset("llama", layers=3)
     model = loracc.compile(copy.deepcopy(eager))
@@ -69,7 +54,7 @@ def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(
 
     # Step 1: layer 0's very first call is deferred (Region._defer); layers 1 and 2 run eagerly beside
     # the program compiled at layer 1.
-    _assert_as_eager(_step(model, batch), expected)
+    _assert_same(_step(model, batch), expected)
     assert compiles_later and not any(f.done() for f in compiles_later)
     assert (block.calls, block.eager_calls_while_compiling) == (0, 2)
 
@@ -77,12 +62,12 @@ def test_layers_run_eagerly_once_while_their_kernels_compile_then_wait_for_them(
     # compile (done 0.3 s later) and run the program.
     timer = threading.Timer(0.3, lambda: [f.set_result(0) for f in compiles_later])
     timer.start()
-    _assert_as_eager(_step(model, batch), expected)
+    _assert_same(_step(model, batch), expected)
     timer.join()
     assert (block.calls, block.eager_calls_while_compiling) == (2, 3)
 
     # Step 3: every layer runs the program.
-    _assert_as_eager(_step(model, batch), expected)
+    _assert_same(_step(model, batch), expected)
     assert (block.calls, block.eager_calls_while_compiling) == (5, 3)
     assert "3 call(s) ran eagerly while its kernels compiled in the background" in str(loracc.explain(model))
 
@@ -126,7 +111,7 @@ def test_a_compile_done_early_changes_nothing(compiles_later):
     compiles_later.done_at_once = True
     eager, batch = presets.preset("llama", layers=3)
     model = loracc.compile(copy.deepcopy(eager))
-    _assert_as_eager(_step(model, batch), _step(eager, batch))
+    _assert_same(_step(model, batch), _step(eager, batch))
     block = next(r for r in model._loracc.regions if r.kind == "block")
     assert all(f.done() for f in compiles_later) and (block.calls, block.eager_calls_while_compiling) == (0, 2)
 
@@ -145,7 +130,7 @@ def test_inside_a_non_reentrant_checkpoint_calls_wait_for_the_kernels(compiles_l
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
 
-    _assert_as_eager(checkpointed(model), checkpointed(eager))
+    _assert_same(checkpointed(model), checkpointed(eager))
     block = next(r for r in model._loracc.regions if r.kind == "block")
     assert block.eager_calls_while_compiling == 0 and block.calls > 0
 
@@ -155,6 +140,6 @@ def test_under_a_memory_budget_calls_wait_for_the_kernels(compiles_later):
     the background, every layer after the deferred first runs the program."""
     eager, batch = presets.preset("llama", layers=3)
     model = loracc.compile(copy.deepcopy(eager), memory_budget="1GB")
-    _assert_as_eager(_step(model, batch), _step(eager, batch))
+    _assert_same(_step(model, batch), _step(eager, batch))
     block = next(r for r in model._loracc.regions if r.kind == "block")
     assert not compiles_later and block.eager_calls_while_compiling == 0 and block.calls == 3

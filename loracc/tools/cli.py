@@ -29,7 +29,6 @@ from . import presets
 from ..errors import LoraccError
 
 
-
 def load_model(spec: str, *, r: int = 8, targets=None, batch: int = 2, seq: int = 32, dtype: str = "float32",
                device: str = "cpu"):
     """``(model, batch)`` from a preset name, a local Hugging Face directory or ``module:function``."""
