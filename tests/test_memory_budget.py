@@ -227,15 +227,22 @@ def test_under_a_budget_every_layer_call_runs_compiled_from_the_first():
         assert block.calls == 2 - eager_calls, (budget, block.calls)
 
 
-def _halfway_limit(base, step) -> int:
-    """A byte limit halfway between the predicted peaks of ``base`` compiled to save the least
-    (``memory_budget=0.0``) and compiled for the fastest plan, after one ``step(model, seed)``."""
+def _peaks(base, step) -> dict:
+    """The predicted peaks of ``base`` compiled to save the least (``memory_budget=0.0``) and
+    compiled for the fastest plan (None), after one ``step(model, seed)``."""
     peaks = {}
     for budget in (None, 0.0):
         model = loracc.compile(copy.deepcopy(base), memory_budget=budget)
         step(model, 0)
         peaks[budget] = loracc.explain(model).predicted_peak_bytes
     assert peaks[0.0] < peaks[None]
+    return peaks
+
+
+def _halfway_limit(base, step) -> int:
+    """A byte limit halfway between the predicted peaks of ``base`` compiled to save the least and
+    compiled for the fastest plan (``_peaks``)."""
+    peaks = _peaks(base, step)
     return (peaks[0.0] + peaks[None]) // 2
 
 
@@ -308,3 +315,41 @@ def test_a_byte_budget_settles_with_frozen_regions_before_the_first_lora_layer()
     assert len({r["price"] for r in remats}) == 1 and not any(r.get("provisional") for r in remats)
     assert compiled._loracc.regions[0].step.in_flight == 0
     assert loracc.explain(compiled).predicted_peak_bytes <= limit
+
+
+def test_what_the_step_holds_outside_the_regions_is_measured_and_counted_by_the_budget():
+    """The eager glue between regions (a UNet's output norm and convolution, the loss) saves values
+    that no region's plan counts. Under a byte budget, on a device that counts its allocated bytes,
+    the step measures what it holds outside the compiled calls as its backward begins, and every
+    region then settles at the price whose step fits with it: a lower one than without it, the
+    predicted peak (which counts it) within the limit, eager's gradients throughout. The device is
+    simulated: from the step's first compiled call it holds what the in-flight calls' plans save
+    (their saved inputs too, which a real device held before) and ``glue`` bytes more."""
+    pytest.importorskip("diffusers")
+    import torch.nn.functional as F
+    from test_diffusion import FLUX_TARGETS, flux_batch, tiny_flux, with_lora
+
+    torch.manual_seed(0)
+    base = with_lora(tiny_flux(), FLUX_TARGETS)
+
+    def step(model, seed):
+        kwargs, target = flux_batch(torch.Generator().manual_seed(seed), batch=2, height=4, width=6)
+        F.mse_loss(model(**kwargs).sample, target).backward()
+
+    peaks = _peaks(base, step)
+    limit = (peaks[0.0] + peaks[None]) // 2
+    glue = (limit - peaks[0.0]) // 2
+    prices, outside = {}, {}
+    for held in (0, glue):
+        eager, compiled = copy.deepcopy(base), loracc.compile(copy.deepcopy(base), memory_budget=limit)
+        memory = compiled._loracc.regions[0].step
+        memory.allocated = lambda memory=memory, held=held: 10**9 + memory.saved_in_flight + (held if memory.in_flight else 0)
+        for seed in range(3):
+            _steps_with_eager_gradients(eager, compiled, step, seed)
+        report = loracc.explain(compiled)
+        assert report.outside_bytes == memory.outside_bytes and report.predicted_peak_bytes <= limit
+        outside[held] = memory.outside_bytes
+        prices[held] = [p.reports["remat"]["price"] for r in compiled._loracc.regions for p in r.compiled_programs][-1]
+    # Without glue, what is measured is the first call's saved inputs (this device did not hold them before).
+    assert outside[glue] - outside[0] == glue
+    assert prices[glue] != prices[0]

@@ -7,7 +7,9 @@ latest program, whose ``MemoryPlanReport`` it reads, and how many times a step r
 the two questions asked of step memory: the predicted peak (``StepMemory.predicted_peak_bytes``:
 ``loracc.explain`` reports it) and what the rest of the step holds while a region runs
 (``StepMemory.reserved_bytes``: a region's byte ``memory_budget`` plans against it). Graphs
-replayed as CUDA graphs add what they keep (``cuda_graph_bytes``).
+replayed as CUDA graphs add what they keep (``cuda_graph_bytes``). What the eager code between the
+regions keeps for the backward is not in any plan: under a byte budget it is measured on a CUDA
+device in the steps before the plans settle (``StepMemory.outside_bytes``) and counted from then on.
 """
 from __future__ import annotations
 
@@ -47,6 +49,38 @@ class StepMemory:
         self.price = SEARCH  # the remat price every region's byte budget plans at, once settled (``settle``)
         self.in_flight = 0  # compiled region calls whose backward has not run yet
         self.settled = False  # every region has run and none is planned provisionally
+        # Bytes the step holds outside the compiled regions at its backward's start (``measure_from``).
+        self.outside_bytes = 0
+        self.saved_in_flight = 0  # what the in-flight calls' programs save, by their memory plans
+        self.allocated = None  # a callable: the device's allocated bytes now (``measure_from``); None: not measured
+        self._start: int | None = None  # allocated bytes as the step's first in-flight call began, less its saved inputs
+
+    def measure_from(self, tensor: torch.Tensor) -> None:
+        """Measure ``outside_bytes`` on ``tensor``'s device from now until the plans settle, where the
+        device counts its allocated bytes (CUDA); elsewhere nothing is measured (0)."""
+        if self.allocated is None and not self.settled and tensor.is_cuda:
+            self.allocated = lambda device=tensor.device: torch.cuda.memory_allocated(device)
+
+    def forward_call(self, program: Program) -> None:
+        """A compiled call of ``program`` begins whose backward will run (``in_flight``). The step's
+        first such call starts a measurement (``backward_call`` ends it): the bytes allocated now,
+        less the inputs the program saves (they were allocated before, yet its plan counts them)."""
+        saved = _memory(program).forward
+        if self.in_flight == 0 and self.allocated is not None and not self.settled:
+            self._start = self.allocated() - saved.saved_input_bytes
+        self.in_flight += 1
+        self.saved_in_flight += saved.saved_bytes
+
+    def backward_call(self, program: Program) -> None:
+        """The backward of a call of ``program`` has run. The step's first one ends the measurement
+        ``forward_call`` started: what the step allocated since, less what the in-flight calls'
+        programs save, is what it holds outside them at the backward's start (the eager glue's saved
+        values, the loss, the incoming gradient); ``outside_bytes`` keeps the largest such figure."""
+        if self._start is not None:
+            held = self.allocated() - self._start - self.saved_in_flight
+            self.outside_bytes, self._start = max(self.outside_bytes, held), None
+        self.in_flight -= 1
+        self.saved_in_flight -= _memory(program).forward.saved_bytes
 
     def runs(self, excluding: Region | None = None) -> list[tuple[Program, int]]:
         """Each compiled region's latest program with its repeats, in region order, but ``excluding``'s."""
@@ -56,7 +90,7 @@ class StepMemory:
         """The predicted peak of one training step (``predicted_peak_bytes``); None until a region
         has compiled a program."""
         runs = self.runs()
-        return predicted_peak_bytes(runs, self.persistent_bytes) if runs else None
+        return predicted_peak_bytes(runs, self.persistent_bytes) + self.outside_bytes if runs else None
 
     def reserved_bytes(self, region: Region, tensors: list) -> Reserve:
         """What the rest of the step holds while ``region`` runs its call of ``tensors`` (its byte
@@ -68,9 +102,10 @@ class StepMemory:
         two rather than their sum. For a block while the head is not compiled yet (blocks compile
         first), the fused head counts by its estimate from the block's input ``tensors[0]`` (the
         hidden state, ``head_estimate``). The head then plans against the blocks' exact bytes.
-        ``held`` is never less than ``persistent_bytes``. ``unknown``: the other regions never called
-        yet (the head excepted where its estimate counts): their bytes are nobody's guess."""
-        held, workspace = self.persistent_bytes, 0
+        ``held`` is never less than ``persistent_bytes`` and counts ``outside_bytes``. ``unknown``:
+        the other regions never called yet (the head excepted where its estimate counts): their
+        bytes are nobody's guess."""
+        held, workspace = self.persistent_bytes + self.outside_bytes, 0
         for program, repeats in self.runs(region):
             memory = _memory(program).region(repeats)
             held += repeats * memory.saved_bytes
@@ -93,8 +128,9 @@ class StepMemory:
         One price for all is what a byte budget should buy: the cut minimising saved bytes plus
         price times recomputed FLOPs, summed over the regions, is each region's cut at that price.
         The price is the highest (``passes.remat.search_prices``) whose step fits: the persistent
-        bytes, every region's saved bytes at that price times its repeats, and the largest
-        transient of any region at that price. Regions whose program's price differs are compiled
+        bytes, every region's saved bytes at that price times its repeats, the largest transient of
+        any region at that price, and what the step was measured to hold outside the regions
+        (``outside_bytes``). Regions whose program's price differs are compiled
         again at it (``Region.replan``); programs compiled later plan at it where their step fits
         (``price``). Returns the price chosen as remat reports it (``passes.remat.report_price``),
         None if there was nothing to settle or no price fits (the provisional plans stay: they fit).
@@ -108,7 +144,7 @@ class StepMemory:
 
         def peak(price) -> int:
             memories = [cut.memory(cut.plan(price), region.repeats) for region, cut in cuts]
-            return step_peak_bytes(memories, self.persistent_bytes)
+            return step_peak_bytes(memories, self.persistent_bytes) + self.outside_bytes
 
         price = search_prices(lambda p: peak(p) <= limit_bytes)
         if peak(price) > limit_bytes:

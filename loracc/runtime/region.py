@@ -63,12 +63,12 @@ log = logging.getLogger("loracc")
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: Program, step, *inputs):  # step: the region's runtime.memory.StepMemory, or None
+        if step is not None:  # a backward to come (StepMemory.in_flight)
+            step.forward_call(program)
         with _compat.autocast_off():  # the graphs hold the casts autocast made while they were traced
             results = program.forward(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program, ctx.step = program, step
-        if step is not None:  # a backward to come (StepMemory.in_flight)
-            step.in_flight += 1
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
         # reads it in the graph's memory, and releases it.
         ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
@@ -90,7 +90,7 @@ class _RegionFunction(torch.autograd.Function):
         if lease is not None:
             lease.release()
         if ctx.step is not None:  # once, even if the graph is run backward again (retain_graph=True)
-            ctx.step.in_flight -= 1
+            ctx.step.backward_call(program)
             ctx.step = None
         result = [None] * program.n_inputs
         for index, grad in zip(program.grad_inputs, grads):
@@ -156,6 +156,8 @@ class Region:
         except Unsupported as exc:
             self._fall_back(path, str(exc))
             return eager_forward(*args, **kwargs)
+        if self.step is not None and self.limit_bytes is not None and signature.tensors:
+            self.step.measure_from(signature.tensors[0])  # what the eager glue holds (StepMemory.outside_bytes)
         _, state = module_state(module)
         key = (signature.key, tuple(tensor_key(t) for t in state), _autocast_key(state + signature.tensors))
         program = self.programs.get(key)

@@ -47,6 +47,7 @@ class Report:
     frozen_params: int
     backend: str
     predicted_peak_bytes: int | None = None
+    outside_bytes: int = 0  # of the predicted peak: what the eager glue holds, measured (StepMemory.outside_bytes)
     eager_parts: list[str] = field(default_factory=list)
     base_formats: dict[str, str] = field(default_factory=dict)  # frozen linear → how its weight is stored
 
@@ -86,8 +87,9 @@ class Report:
             for name, reason in r.unmatched_lora.items():
                 lines.append(f"      not fused: {name}: {reason}")
         if self.predicted_peak_bytes is not None:
+            outside = f", {format_bytes(self.outside_bytes)} measured outside the regions" if self.outside_bytes else ""
             lines.append(f"predicted peak of a step: {format_bytes(self.predicted_peak_bytes)} "
-                         "(weights, gradients, AdamW state, saved activations, the largest region's workspace)")
+                         f"(weights, gradients, AdamW state, saved activations, the largest region's workspace{outside})")
         if self.base_formats:
             counts: dict[str, int] = {}
             for fmt in self.base_formats.values():
@@ -109,9 +111,11 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
     ``predicted_peak_bytes`` is the peak memory of a training step as planned before it runs:
     weights, gradients and AdamW state, every region's saved values times its repeats, and the
     largest region's forward or backward workspace, including the fused loss's chunk temporaries
-    (the eager glue and temporaries inside ATen ops are not counted); for graphs replayed as CUDA
-    graphs (or, with ``cuda_graphs="auto"``, still to decide), also their static inputs and outputs
-    and the shared pool's workspace (an estimate); None until a training call compiled the regions.
+    (temporaries inside ATen ops are not counted); for graphs replayed as CUDA graphs (or, with
+    ``cuda_graphs="auto"``, still to decide), also their static inputs and outputs and the shared
+    pool's workspace (an estimate); under a byte budget on a CUDA device, also what the eager glue
+    between the regions was measured to hold (``outside_bytes``, ``StepMemory.outside_bytes``;
+    elsewhere the glue is not counted). None until a training call compiled the regions.
     """
     state = getattr(model, "_loracc", None)
     if state is None:
@@ -143,6 +147,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
             notes=list(region.notes),
             eager_while_compiling=region.eager_calls_while_compiling,
         ))
+    step = _step_memory(state)
     eager = ["embeddings, masks, rotary tables and the model's control flow (glue)"]
     if not any(r.kind == "head" for r in state.regions) and any(r.kind == "block" for r in state.regions):
         eager.append("everything outside the repeated blocks")
@@ -150,8 +155,15 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Report:
         regions=regions, lora_layers=state.lora_layers, lora_layers_matched=matched, fallbacks=fallbacks,
         trainable_params=state.trainable_params, frozen_params=state.frozen_params,
         backend=state.backend.name, eager_parts=eager, base_formats=base_formats(model),
-        predicted_peak_bytes=StepMemory(state.regions, state.persistent_bytes).predicted_peak_bytes(),
+        predicted_peak_bytes=step.predicted_peak_bytes(), outside_bytes=step.outside_bytes,
     )
+
+
+def _step_memory(state) -> StepMemory:
+    """The regions' own ``StepMemory`` (it counts what the step was measured to hold outside them),
+    or a new one over them."""
+    step = next((r.step for r in state.regions if r.step is not None), None)
+    return step if step is not None else StepMemory(state.regions, state.persistent_bytes)
 
 
 def _graph_decisions(region) -> list[str]:
