@@ -26,7 +26,7 @@ from torch import nn
 from ..capture.trace import call_recording, module_fingerprint
 from ..capture.trace import recording as trace_recording
 from ..ir.graph import param_role
-from ..runtime.memory import StepMemory
+from ..runtime.memory import StepMemory, model_bytes
 from ..runtime.region import Region
 from . import hf_output_hooks
 from .hf_causal_lm import HeadForward, causal_lm
@@ -76,7 +76,7 @@ def install(model: nn.Module, state: CompiledState) -> None:
     head = causal_lm(model)
     # A region's byte budget plans against what the rest of the step holds (StepMemory).
     step = StepMemory(state.regions, state.persistent_bytes,
-                      head_vocab=head[0].config.vocab_size if head is not None else None)
+                      head_vocab=head[0].config.vocab_size if head is not None else None, model_bytes=model_bytes(model))
     blocks = _find_block_lists(model)
     for group in _group_layers([(list_path, index, layer) for list_path, _, layers in blocks for index, layer in layers]):
         paths = [f"{list_path}.{index}" for list_path, index, _ in group]

@@ -9,7 +9,8 @@ the two questions asked of step memory: the predicted peak (``StepMemory.predict
 (``StepMemory.reserved_bytes``: a region's byte ``memory_budget`` plans against it). Graphs
 replayed as CUDA graphs add what they keep (``cuda_graph_bytes``). What the eager code between the
 regions keeps for the backward is not in any plan: under a byte budget it is measured on a CUDA
-device in the steps before the plans settle (``StepMemory.outside_bytes``) and counted from then on.
+device in the first step (``StepMemory.outside_bytes``) and counted from then on (the plans settle
+on it at the second).
 """
 from __future__ import annotations
 
@@ -37,48 +38,53 @@ class StepMemory:
     Takes the model's regions (a live view: each question reads every region's latest program and
     repeats at the time it is asked, so regions added or compiled later count), the persistent bytes,
     and ``head_vocab``, the vocabulary of a fused causal-LM head (None: no such head), for the
-    head's estimate before it is compiled. Only regions with a compiled program count; a region's
+    head's estimate before it is compiled, and ``model_bytes``, the weights and buffers among the
+    persistent bytes (``outside_bytes`` is measured against them). Only regions with a compiled program count; a region's
     program counts ``repeats`` times (a block region: once per layer). Reads the programs'
-    ``MemoryPlanReport`` and nothing else of their reports; changes nothing.
+    ``MemoryPlanReport`` and nothing else of their reports; changes none of them.
     """
 
-    def __init__(self, regions: Sequence[Region], persistent_bytes: int, head_vocab: int | None = None):
+    def __init__(self, regions: Sequence[Region], persistent_bytes: int, head_vocab: int | None = None,
+                 model_bytes: int = 0):
         self.regions = regions
         self.persistent_bytes = persistent_bytes
+        self.model_bytes = model_bytes  # of persistent_bytes: the weights and buffers (``backward_call``)
         self.head_vocab = head_vocab
         self.price = SEARCH  # the remat price every region's byte budget plans at, once settled (``settle``)
         self.in_flight = 0  # compiled region calls whose backward has not run yet
         self.settled = False  # every region has run and none is planned provisionally
-        # Bytes the step holds outside the compiled regions at its backward's start (``measure_from``).
+        # Bytes the step holds outside the compiled regions as its backward begins (``backward_call``).
         self.outside_bytes = 0
         self.saved_in_flight = 0  # what the in-flight calls' programs save, by their memory plans
         self.allocated = None  # a callable: the device's allocated bytes now (``measure_from``); None: not measured
-        self._start: int | None = None  # allocated bytes as the step's first in-flight call began, less its saved inputs
+        self._measuring = None  # True: the step's first backward measures ``outside_bytes``; False: it was measured
 
     def measure_from(self, tensor: torch.Tensor) -> None:
-        """Measure ``outside_bytes`` on ``tensor``'s device from now until the plans settle, where the
-        device counts its allocated bytes (CUDA); elsewhere nothing is measured (0)."""
-        if self.allocated is None and not self.settled and tensor.is_cuda:
+        """Measure ``outside_bytes`` on ``tensor``'s device, at the backward of the first step that
+        begins from now, where the device counts its allocated bytes (CUDA; elsewhere nothing is
+        measured: 0)."""
+        if self.allocated is None and tensor.is_cuda:
             self.allocated = lambda device=tensor.device: torch.cuda.memory_allocated(device)
 
     def forward_call(self, program: Program) -> None:
-        """A compiled call of ``program`` begins whose backward will run (``in_flight``). The step's
-        first such call starts a measurement (``backward_call`` ends it): the bytes allocated now,
-        less the inputs the program saves (they were allocated before, yet its plan counts them)."""
-        saved = _memory(program).forward
-        if self.in_flight == 0 and self.allocated is not None and not self.settled:
-            self._start = self.allocated() - saved.saved_input_bytes
+        """A compiled call of ``program`` begins whose backward will run (``in_flight``); the step's
+        first such call has ``backward_call`` measure at the step's first backward."""
+        if self.in_flight == 0 and self.allocated is not None and self._measuring is None:
+            self._measuring = True
         self.in_flight += 1
-        self.saved_in_flight += saved.saved_bytes
+        self.saved_in_flight += _memory(program).forward.saved_bytes
 
     def backward_call(self, program: Program) -> None:
-        """The backward of a call of ``program`` has run. The step's first one ends the measurement
-        ``forward_call`` started: what the step allocated since, less what the in-flight calls'
-        programs save, is what it holds outside them at the backward's start (the eager glue's saved
-        values, the loss, the incoming gradient); ``outside_bytes`` keeps the largest such figure."""
-        if self._start is not None:
-            held = self.allocated() - self._start - self.saved_in_flight
-            self.outside_bytes, self._start = max(self.outside_bytes, held), None
+        """The backward of a call of ``program`` has run. At the step's first (``forward_call``):
+        what the device holds beyond the model's weights and buffers and what the in-flight calls'
+        plans save is what the step holds outside the compiled regions as its backward begins (the
+        eager glue's saved values, the batch, the loss and its gradient, library workspaces such as
+        cuBLAS's): ``outside_bytes``. Measured once, in the first step, when no LoRA gradient and no optimizer state exists yet (they are
+        in ``persistent_bytes``); where they did (a model compiled in the middle of a run), they
+        count here too, and the budget plans with less than it could."""
+        if self._measuring:
+            self.outside_bytes = max(0, self.allocated() - self.model_bytes - self.saved_in_flight)
+            self._measuring = False
         self.in_flight -= 1
         self.saved_in_flight -= _memory(program).forward.saved_bytes
 
@@ -173,13 +179,21 @@ def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:
 
 
 def persistent_bytes(model: nn.Module, optimizer_state: str = "fp32") -> int:
-    """What lives across steps: every parameter and buffer (each tensor counted once), and for every
+    """What lives across steps: every parameter and buffer (``model_bytes``), and for every
     trainable parameter its gradient (in its dtype) and the optimizer's state as ``optimizer_state``
     says it is kept (``optimizer_state_bytes``)."""
-    tensors = list({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
-    trainable = [t for t in tensors if t.requires_grad]
-    return (sum(t.numel() * t.element_size() for t in tensors) + sum(t.numel() * t.element_size() for t in trainable)
+    trainable = [t for t in _tensors(model) if t.requires_grad]
+    return (model_bytes(model) + sum(t.numel() * t.element_size() for t in trainable)
             + optimizer_state_bytes([t.numel() for t in trainable], optimizer_state))
+
+
+def model_bytes(model: nn.Module) -> int:
+    """The bytes of every parameter and buffer of ``model``, each tensor counted once."""
+    return sum(t.numel() * t.element_size() for t in _tensors(model))
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    return list({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
 
 
 def optimizer_state_bytes(sizes: Sequence[int], optimizer_state: str = "fp32") -> int:

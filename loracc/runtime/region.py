@@ -157,7 +157,7 @@ class Region:
             self._fall_back(path, str(exc))
             return eager_forward(*args, **kwargs)
         if self.step is not None and self.limit_bytes is not None and signature.tensors:
-            self.step.measure_from(signature.tensors[0])  # what the eager glue holds (StepMemory.outside_bytes)
+            self.step.measure_from(signature.tensors[0])  # what the step holds outside the regions
         _, state = module_state(module)
         key = (signature.key, tuple(tensor_key(t) for t in state), _autocast_key(state + signature.tensors))
         program = self.programs.get(key)
