@@ -235,6 +235,8 @@ def _loracc_notes(peft_model, budget, state: str = "fp32") -> str:
             f"({read} of {len(traces)} programs' graphs read from the trace cache), "
             f"fallbacks to eager: {'; '.join(fallbacks) or 'none'}"
             + (f"; predicted peak {predicted / 2**30:.2f} GiB" if predicted else "")
+            + (f" ({explained.outside_bytes / 2**30:.2f} GiB of it measured outside the regions)"
+               if predicted and explained.outside_bytes else "")
             + (f"; regions planned again at {', '.join(settled)}" if settled else "")
             + (f"; not kept in the trace cache: {'; '.join(uncached)}" if uncached else "")
             + (f"; recompiled: {'; '.join(recompiles)}" if recompiles else "")

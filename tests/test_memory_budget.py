@@ -400,5 +400,6 @@ def test_a_budgeted_unet_step_on_the_gpu_peaks_within_its_byte_limit():
             torch.cuda.reset_peak_memory_stats()
         loss = step(compiled, seed)
         assert rel_err(loss, losses[seed]) <= 1e-4, seed
-    assert torch.cuda.max_memory_allocated() <= limit, (torch.cuda.max_memory_allocated(), limit, outside)
-    assert loracc.explain(compiled).predicted_peak_bytes <= limit
+    peak = torch.cuda.max_memory_allocated()
+    assert peak <= limit, (peak, limit, outside)
+    assert abs(loracc.explain(compiled).predicted_peak_bytes - peak) <= 0.1 * peak
