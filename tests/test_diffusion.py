@@ -110,7 +110,7 @@ class Case:
 
 
 CASES = {
-    "sdxl_unet": Case(tiny_unet, UNET_TARGETS, unet_batch, ("Transformer2DModel",), "StableDiffusionXLPipeline", "unet"),
+    "sdxl_unet": Case(tiny_unet, UNET_TARGETS, unet_batch, ("BasicTransformerBlock",), "StableDiffusionXLPipeline", "unet"),
     "flux": Case(tiny_flux, FLUX_TARGETS, flux_batch, ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
                  "FluxPipeline", "transformer"),
     "sd3": Case(tiny_sd3, SD3_TARGETS, sd3_batch, ("JointTransformerBlock",), "StableDiffusion3Pipeline", "transformer"),
@@ -271,15 +271,16 @@ def test_attention_processor_with_data_dependent_control_flow_runs_eagerly():
     for name, p in lora_params(eager).items():
         assert rel_err(compiled.get_parameter(name).grad, p.grad) <= 1e-4, name
     messages = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
-    # The down, mid and up blocks' attentions are one region of 4 (one structure): its first layer's
-    # first call runs eagerly silently (Region._defer), so the warning names the layer whose trace
-    # failed, and the region's other layers, which run eagerly with it.
+    # The transformer layers of the down, mid and up blocks' attentions are one region of 8 (one
+    # structure): its first layer's first call runs eagerly silently (Region._defer), so the warning
+    # names the layer whose trace failed, and the region's other layers, which run eagerly with it.
     report = loracc.explain(compiled)
-    region = next(r for r in report.regions if "Transformer2DModel" in r.name)
-    assert region.name.startswith("down_blocks.1.attentions[0..0] + up_blocks.0.attentions[0..1] + mid_block")
+    region = next(r for r in report.regions if "BasicTransformerBlock" in r.name)
+    assert region.name.startswith("down_blocks.1.attentions.0.transformer_blocks[0..1] + up_blocks.0.attentions[0..1]")
     assert region.calls == 0 and len(messages) == 1, messages
-    assert "mid_block.attentions.0 runs eagerly" in messages[0] and f"3 other layer(s) of region {region.name}" in messages[0]
-    assert {f.module for f in report.fallbacks} == {"mid_block.attentions.0"}
+    failed = "down_blocks.1.attentions.0.transformer_blocks.1"
+    assert f"{failed} runs eagerly" in messages[0] and f"7 other layer(s) of region {region.name}" in messages[0], messages
+    assert {f.module for f in report.fallbacks} == {failed}
     assert any("ResnetBlock2D" in r.name and r.calls > 0 for r in report.regions)
 
 

@@ -3,7 +3,9 @@
 Regions:
 
 - **block**: the layers of the outermost ``nn.ModuleList`` of same-class modules with LoRA (a decoder's
-  layers; a hybrid decoder's layers of several classes too), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
+  layers; a hybrid decoder's layers of several classes too), or of the one list inside each of them
+  that holds all their LoRA layers (a UNet's ``Transformer2DModel``s: their ``transformer_blocks``,
+  ``_inner_lists``), and of the frozen ones beside them (a UNet's ResNet blocks, see ``_find_block_lists``);
   layers whose structure is the same (parameters, flags such as a sliding window) share one region,
   in one list or across lists (a UNet's transformer blocks of one width in its down, mid and up
   blocks), so a model is captured once however deep it is;
@@ -209,10 +211,33 @@ def _find_block_lists(model: nn.Module):
     stages = {_stage(model, name) for name in with_lora}
     found = []
     for name, module in lists:
-        if name in with_lora or any(stage == "" or name.startswith(stage + ".") for stage in stages):
+        if name in with_lora and (inner := _inner_lists(module)) is not None:
+            found.extend((f"{name}.{index}.{path}", module[index], list(enumerate(layers))) for index, path, layers in inner)
+        elif name in with_lora or any(stage == "" or name.startswith(stage + ".") for stage in stages):
             owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             found.append((name, owner, list(enumerate(module))))
     return found
+
+
+def _inner_lists(layers: nn.ModuleList):
+    """``(index, path, inner list)`` for each of ``layers`` where each holds its LoRA layers in one
+    inner ModuleList of same-class modules (a UNet's ``Transformer2DModel``, whose
+    ``transformer_blocks`` are the repeated unit; its norm and projections around them hold none),
+    else None. Those inner layers are then the block regions: a layer is captured once, not once
+    per depth of the container (ten for SDXL's deepest), and containers of different depths share
+    it. Never for transformers decoder layers (a mixture of experts' list holds some of its LoRA
+    layers only)."""
+    inner = []
+    for index, layer in enumerate(layers):
+        if _is_hf_layer(layer):
+            return None
+        wrapped = [(path, m) for path, m in layer.named_modules()
+                   if isinstance(m, nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
+        holding = [(path, m) for path, m in wrapped if find_lora_layers(m)]
+        if len(holding) != 1 or len(find_lora_layers(holding[0][1])) != len(find_lora_layers(layer)):
+            return None
+        inner.append((index, *holding[0]))
+    return inner
 
 
 def _is_hf_layer(module: nn.Module) -> bool:
@@ -246,13 +271,25 @@ def _group_layers(layers):
 
 def _region_name(group) -> str:
     """``list[first..last]`` for each list the group's layers are in, joined by " + ", then the
-    layers' class and number: ``down_blocks.2.attentions[0..1] + mid_block.attentions[0..0]
-    (Transformer2DModel ×3)``."""
+    layers' class and number: ``down_blocks.2.resnets[1..1] + mid_block.resnets[0..1]
+    (ResnetBlock2D ×3)``. Inner lists of one container list (``_inner_lists``) with the same
+    indices read as one: ``down_blocks.2.attentions[0..1].transformer_blocks[0..9]``."""
     lists: dict = {}
     for list_path, index, _ in group:
         lists.setdefault(list_path, []).append(index)
-    spans = " + ".join(f"{path}[{indices[0]}..{indices[-1]}]" for path, indices in lists.items())
-    return f"{spans} ({type(group[0][2]).__name__} ×{len(group)})"
+    spans: dict = {}  # (container list, inner list's name, its first and last index) → (container index, path)
+    for path, indices in lists.items():
+        container, _, rest = path.rpartition(".")
+        head, _, position = container.rpartition(".")
+        key = (head, rest, indices[0], indices[-1]) if position.isdigit() else (path, None, indices[0], indices[-1])
+        spans.setdefault(key, []).append((int(position) if position.isdigit() else None, path))
+    names = []
+    for (head, rest, first, last), paths in spans.items():
+        if len(paths) == 1:
+            names.append(f"{paths[0][1]}[{first}..{last}]")
+        else:
+            names.append(f"{head}[{paths[0][0]}..{paths[-1][0]}].{rest}[{first}..{last}]")
+    return f"{' + '.join(names)} ({type(group[0][2]).__name__} ×{len(group)})"
 
 
 def _is_hf_model(module: nn.Module) -> bool:
