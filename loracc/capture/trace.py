@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import re
 import weakref
 from contextvars import ContextVar
@@ -196,12 +197,15 @@ class _StatePlan:
                       for prefix, m in modules for key, value in getattr(m, attr).items() if value is not None]
         self.slots = [(getattr(m, attr), key) for attr in ("_parameters", "_buffers")
                       for _, m in modules for key, value in getattr(m, attr).items() if value is not None]
-        self.sizes = [(d, len(d)) for _, m in modules for d in (m._modules, m._parameters, m._buffers)]
-        self.children = [(m._modules, key, child) for _, m in modules for key, child in m._modules.items()]
+        self.dicts = [d for _, m in modules for d in (m._modules, m._parameters, m._buffers)]
+        self.sizes = list(map(len, self.dicts))
+        children = [(m._modules, key, child) for _, m in modules for key, child in m._modules.items()]
+        self.holders, self.keys, self.children = (list(c) for c in zip(*children)) if children else ([], [], [])
 
     def valid(self) -> bool:
-        return (all(len(d) == n for d, n in self.sizes)
-                and all(held.get(key) is child for held, key, child in self.children))
+        # Iterated in C (map), not in a generator: a region checks this at every layer call.
+        return (list(map(len, self.dicts)) == self.sizes
+                and all(map(operator.is_, map(dict.get, self.holders, self.keys), self.children)))
 
 
 _STATE_PLANS: "weakref.WeakKeyDictionary[nn.Module, _StatePlan]" = weakref.WeakKeyDictionary()
