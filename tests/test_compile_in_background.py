@@ -30,7 +30,10 @@ class Compiles(list):
 
 
 @pytest.fixture
-def compiles_later(monkeypatch):
+def compiles_later(monkeypatch, tmp_path):
+    """Compiles handed out as Futures (``Compiles``), over empty caches: every program is traced
+    (one read from the trace cache is waited for at once)."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))
     pending = Compiles()
     real = EagerBackend.compile
 
@@ -143,3 +146,22 @@ def test_under_a_memory_budget_calls_wait_for_the_kernels(compiles_later):
     _assert_same(_step(model, batch), _step(eager, batch))
     block = next(r for r in model._loracc.regions if r.kind == "block")
     assert not compiles_later and block.eager_calls_while_compiling == 0 and block.calls == 3
+
+
+def test_a_program_read_from_the_trace_cache_is_waited_for_at_once(compiles_later, monkeypatch):
+    """A warm start (the graphs read from the trace cache, the kernels in the kernel caches) runs no
+    layer eagerly: loading its kernels takes less than running the layers eagerly and again in the
+    backward. The numbers are eager's from the first step."""
+    monkeypatch.setattr(loracc._compat, "saved_tensors_hooks_active", lambda: False)
+    eager, batch = presets.preset("llama", layers=3)
+    expected = _step(eager, batch)
+    cold = loracc.compile(copy.deepcopy(eager))
+    _assert_same(_step(cold, batch), expected)
+    assert next(r for r in cold._loracc.regions if r.kind == "block").eager_calls_while_compiling == 2
+
+    compiles_later.done_at_once = True
+    warm = loracc.compile(copy.deepcopy(eager))
+    _assert_same(_step(warm, batch), expected)
+    block = next(r for r in warm._loracc.regions if r.kind == "block")
+    assert all(p.reports["trace_cache"]["hit"] for p in block.compiled_programs)
+    assert (block.calls, block.eager_calls_while_compiling) == (2, 0)

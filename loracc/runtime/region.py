@@ -10,7 +10,7 @@ generation), run the module's original eager forward.
 A block region's programs compile their kernels in the background (``pipeline.compile_call(background=True)``):
 meanwhile each layer runs its first call eagerly, checkpointed (it saves its inputs only and runs
 again in the backward), so that the regions after it trace and plan while the compilers run; its
-next call waits for them. Not under a memory budget, with ``verify``, for a head
+next call waits for them. A program read from the trace cache (a warm start) is waited for at once. Not under a memory budget, with ``verify``, for a head
 (``_eager_while_compiling``) or inside a checkpoint (``_beside_compile``); ``explain`` counts the
 calls run so.
 
@@ -58,6 +58,11 @@ AUTO_GRAPHED_SIGNATURES = 2
 # Progress (regions compiled, kernels autotuned or found in the cache) is logged at INFO level:
 # quiet by default; logging.basicConfig(level=logging.INFO) or loracc.verbose() shows it.
 log = logging.getLogger("loracc")
+
+
+def _read_from_cache(program: Program) -> bool:
+    """Whether ``program``'s graphs were read from the trace cache (``capture.trace_cache``)."""
+    return bool(program.reports.get("trace_cache", {}).get("hit"))
 
 
 class _RegionFunction(torch.autograd.Function):
@@ -231,11 +236,14 @@ class Region:
         else it waits for them. Each layer (``path``) runs its first call beside a program eagerly,
         whether the compile has finished or not (so a run does the same thing whatever the compile's
         timing: a seed draws the same dropout masks), and its next call, a step later, waits: a
-        step runs the program from the second on. Under saved-tensor hooks (an enclosing
-        non-reentrant checkpoint: its recompute would run the program, which saves other tensors
-        than the eager call did) the call waits."""
+        step runs the program from the second on. A program whose graphs were read from the trace
+        cache (a warm start: its kernels are in the kernel caches too, as a rule) is waited for at
+        once: loading kernels takes less than running the layers eagerly and again in the backward.
+        Under saved-tensor hooks (an enclosing non-reentrant checkpoint: its recompute would run the
+        program, which saves other tensors than the eager call did) the call waits."""
         eager = (id(program), path)
-        if self._eager_while_compiling() and eager not in self._ran_eagerly and not _compat.saved_tensors_hooks_active():
+        if (self._eager_while_compiling() and eager not in self._ran_eagerly and not _read_from_cache(program)
+                and not _compat.saved_tensors_hooks_active()):
             self._ran_eagerly.add(eager)
             self.eager_calls_while_compiling += 1
             return True
