@@ -402,4 +402,6 @@ def test_a_budgeted_unet_step_on_the_gpu_peaks_within_its_byte_limit():
         assert rel_err(loss, losses[seed]) <= 1e-4, seed
     peak = torch.cuda.max_memory_allocated()
     assert peak <= limit, (peak, limit, outside)
-    assert abs(loracc.explain(compiled).predicted_peak_bytes - peak) <= 0.1 * peak
+    # An upper bound: what the glue holds is measured as the backward begins, its most, and counted
+    # at the regions' peak too; in this small UNet the glue is a third of the step.
+    assert peak <= loracc.explain(compiled).predicted_peak_bytes <= 1.15 * peak
