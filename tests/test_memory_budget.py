@@ -256,13 +256,8 @@ def _steps_with_eager_gradients(eager, compiled, step, seed: int) -> None:
             assert rel_err(q.grad, p.grad) <= 1e-4, (seed, name)
 
 
-def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run():
-    """Flux's double blocks run before its single blocks: planned first under a byte budget, they
-    cannot know what the single blocks will need, so their plan is provisional until every region
-    has run and its backward too; then, as the next step begins, every region is planned at the one
-    price whose step fits, and the regions planned otherwise are compiled again. A limit between
-    the smallest and the fastest step trains with eager's gradients, before and after the regions
-    were compiled again, within the limit."""
+def _tiny_flux():
+    """A tiny Flux transformer with LoRA, and its training step on batch ``seed`` (MSE, backward)."""
     pytest.importorskip("diffusers")
     import torch.nn.functional as F
     from test_diffusion import FLUX_TARGETS, flux_batch, tiny_flux, with_lora
@@ -273,6 +268,18 @@ def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run()
     def step(model, seed):
         kwargs, target = flux_batch(torch.Generator().manual_seed(seed), batch=2, height=4, width=6)
         F.mse_loss(model(**kwargs).sample, target).backward()
+
+    return base, step
+
+
+def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run():
+    """Flux's double blocks run before its single blocks: planned first under a byte budget, they
+    cannot know what the single blocks will need, so their plan is provisional until every region
+    has run and its backward too; then, as the next step begins, every region is planned at the one
+    price whose step fits, and the regions planned otherwise are compiled again. A limit between
+    the smallest and the fastest step trains with eager's gradients, before and after the regions
+    were compiled again, within the limit."""
+    base, step = _tiny_flux()
 
     limit = _halfway_limit(base, step)
     eager, compiled = copy.deepcopy(base), loracc.compile(copy.deepcopy(base), memory_budget=limit)
@@ -324,16 +331,7 @@ def test_what_the_step_holds_outside_the_regions_is_measured_and_counted_by_the_
     region then settles at the price whose step fits with it: a lower one than without it, the
     predicted peak (which counts it) within the limit, eager's gradients throughout. The device is
     simulated: it holds the model, what the in-flight calls' plans save and ``held`` bytes more."""
-    pytest.importorskip("diffusers")
-    import torch.nn.functional as F
-    from test_diffusion import FLUX_TARGETS, flux_batch, tiny_flux, with_lora
-
-    torch.manual_seed(0)
-    base = with_lora(tiny_flux(), FLUX_TARGETS)
-
-    def step(model, seed):
-        kwargs, target = flux_batch(torch.Generator().manual_seed(seed), batch=2, height=4, width=6)
-        F.mse_loss(model(**kwargs).sample, target).backward()
+    base, step = _tiny_flux()
 
     peaks = _peaks(base, step)
     limit = (peaks[0.0] + peaks[None]) // 2
