@@ -77,8 +77,8 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 def install(model: nn.Module, state: CompiledState) -> None:
     head = causal_lm(model)
     # A region's byte budget plans against what the rest of the step holds (StepMemory).
-    step = StepMemory(state.regions, state.persistent_bytes,
-                      head_vocab=head[0].config.vocab_size if head is not None else None, model_bytes=model_bytes(model))
+    step = StepMemory(state.regions, state.persistent_bytes, model_bytes=model_bytes(model),
+                      head_vocab=head[0].config.vocab_size if head is not None else None)
     blocks = _find_block_lists(model)
     for group in _group_layers([(list_path, index, layer) for list_path, _, layers in blocks for index, layer in layers]):
         paths = [f"{list_path}.{index}" for list_path, index, _ in group]
@@ -212,7 +212,8 @@ def _find_block_lists(model: nn.Module):
     found = []
     for name, module in lists:
         if name in with_lora and (inner := _inner_lists(module)) is not None:
-            found.extend((f"{name}.{index}.{path}", module[index], list(enumerate(layers))) for index, path, layers in inner)
+            found.extend((f"{name}.{index}.{path}", module[index], list(enumerate(layers)))
+                         for index, path, layers in inner)
         elif name in with_lora or any(stage == "" or name.startswith(stage + ".") for stage in stages):
             owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             found.append((name, owner, list(enumerate(module))))

@@ -39,9 +39,9 @@ class StepMemory:
     repeats at the time it is asked, so regions added or compiled later count), the persistent bytes,
     and ``head_vocab``, the vocabulary of a fused causal-LM head (None: no such head), for the
     head's estimate before it is compiled, and ``model_bytes``, the weights and buffers among the
-    persistent bytes (``outside_bytes`` is measured against them). Only regions with a compiled program count; a region's
-    program counts ``repeats`` times (a block region: once per layer). Reads the programs'
-    ``MemoryPlanReport`` and nothing else of their reports; changes none of them.
+    persistent bytes (``outside_bytes`` is measured against them). Only regions with a compiled
+    program count; a region's program counts ``repeats`` times (a block region: once per layer).
+    Reads the programs' ``MemoryPlanReport`` and nothing else of their reports; changes none of them.
     """
 
     def __init__(self, regions: Sequence[Region], persistent_bytes: int, head_vocab: int | None = None,
@@ -79,9 +79,10 @@ class StepMemory:
         what the device holds beyond the model's weights and buffers and what the in-flight calls'
         plans save is what the step holds outside the compiled regions as its backward begins (the
         eager glue's saved values, the batch, the loss and its gradient, library workspaces such as
-        cuBLAS's): ``outside_bytes``. Measured once, in the first step, when no LoRA gradient and no optimizer state exists yet (they are
-        in ``persistent_bytes``); where they did (a model compiled in the middle of a run), they
-        count here too, and the budget plans with less than it could."""
+        cuBLAS's): ``outside_bytes``. Measured once, in the first step, when no LoRA gradient and
+        no optimizer state exists yet (they are in ``persistent_bytes``); where they did (a model
+        compiled in the middle of a run), they count here too, and the budget plans with less than
+        it could."""
         if self._measuring:
             self.outside_bytes = max(0, self.allocated() - self.model_bytes - self.saved_in_flight)
             self._measuring = False

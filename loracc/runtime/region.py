@@ -10,9 +10,9 @@ generation), run the module's original eager forward.
 A block region's programs compile their kernels in the background (``pipeline.compile_call(background=True)``):
 meanwhile each layer runs its first call eagerly, checkpointed (it saves its inputs only and runs
 again in the backward), so that the regions after it trace and plan while the compilers run; its
-next call waits for them. A program read from the trace cache (a warm start) is waited for at once. Not under a memory budget, with ``verify``, for a head
-(``_eager_while_compiling``) or inside a checkpoint (``_beside_compile``); ``explain`` counts the
-calls run so.
+next call waits for them. A program read from the trace cache (a warm start) is waited for at
+once. Not under a memory budget, with ``verify``, for a head (``_eager_while_compiling``) or inside
+a checkpoint (``_beside_compile``); ``explain`` counts the calls run so.
 
 With ``verify`` (``loracc.compile(verify=True)``), the first call of each program the region
 compiles is first checked against the eager forward (``runtime/verify.py``); a program that differs
