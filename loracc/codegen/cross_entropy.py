@@ -20,7 +20,6 @@ from . import cache, lora_linear
 from .render import render
 
 
-
 def source(vocab: int, dtype: torch.dtype, ignore_index: int, scale: float = 1.0, softcap: float | None = None
            ) -> tuple[str, str]:
     """The kernel's name and source; the logit multiplier ``scale`` and ``softcap`` are constants in it."""
