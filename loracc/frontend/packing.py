@@ -3,7 +3,7 @@
 A collator that pads every row to the batch's longest (Trainer's default, ``DataCollatorForSeq2Seq``,
 TRL without packing) makes the decoder compute its pad tokens too: where lengths vary, a large
 share of each batch. ``pack`` moves the real tokens of a right-padded batch
-into rows of ``length_bucket(longest)`` tokens (first-fit decreasing), each sequence at the
+into rows of ``row_width(longest)`` tokens (first-fit decreasing), each sequence at the
 positions it had (0, 1, ...), with ``position_ids`` and no attention mask: the layout of
 ``DataCollatorWithFlattening``, in which transformers' mask functions let each token attend only
 to the earlier tokens of its own sequence. What is left at the end of a row is a filler sequence
@@ -60,6 +60,17 @@ def length_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
+def row_width(length: int) -> int:
+    """The width of the rows a batch whose longest sequence has ``length`` tokens packs into: the
+    next power of two or one and a half times a power of two (at least 8), two widths per octave.
+    Packed rows fill up to their width, so a coarse width adds little padding, and the sizes of
+    the packed batches repeat: a size seen before replays its CUDA graphs (decision 036)."""
+    width = 8
+    while width < length:
+        width = width * 3 // 2 if width & (width - 1) == 0 else width // 3 * 4
+    return width
+
+
 def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     """Bins of at most ``width`` tokens holding the indices of ``lengths`` (each at most ``width``),
     longest first, each into the first bin with room; the indices in a bin keep the batch's order."""
@@ -98,7 +109,7 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     lengths = info[2:]
     if not (info[0] and info[1]) or max(lengths) == 0 or (min(lengths) == length and not always):
         return None
-    width = length_bucket(max(lengths))
+    width = row_width(max(lengths))
     bins = first_fit_decreasing(lengths, width)
     if len(bins) == 1 and rows > 1:
         # Never one row from several: a symbolic program traced with several rows does not admit
@@ -108,7 +119,7 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
                 return None
             bins.append([])  # a row of filler
         else:
-            width = length_bucket(max(max(lengths), -(-sum(lengths) // 2)))
+            width = row_width(max(max(lengths), -(-sum(lengths) // 2)))
             bins = first_fit_decreasing(lengths, width)
             if len(bins) == 1:
                 bins = [bins[0][:-1], bins[0][-1:]]
