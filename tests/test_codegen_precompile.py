@@ -298,29 +298,3 @@ def test_a_background_compile_that_fails_leaves_the_kernels_to_their_launches(mo
 
     monkeypatch.setattr(precompile, "compile_ahead", broken)
     assert precompile.compile_later([lambda: None], None, "kernels of a test graph").result(timeout=30) == 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: Triton's set-up is a CUDA device's")
-def test_the_warm_up_does_tritons_set_up_and_its_kernel_runs():
-    """The backend's background warm-up leaves Triton's key computed and its kernel loaded; the
-    kernel, launched, copies what it reads (so it ran as compiled)."""
-    from triton.runtime.cache import triton_key
-
-    from loracc.codegen.cache import load_kernel
-
-    precompile.warm_up_in_background(DEVICE).join()
-    assert triton_key.cache_info().currsize == 1
-    kernel = load_kernel("warm_up", precompile._WARM_UP_SOURCE, DEVICE)
-    x = torch.randn(16, device=DEVICE)
-    before = x.clone()
-    kernel[(1,)](x, 16)
-    assert torch.equal(x, before) and len(kernel.device_caches[DEVICE.index or 0][0]) >= 1
-
-
-def test_a_warm_up_that_fails_raises_nothing(monkeypatch):
-    """On a device where Triton's set-up fails, the warm-up's thread ends quietly: the first real
-    kernel does the set-up and reports the error."""
-    monkeypatch.setattr(precompile, "_WARM_UP_SOURCE", "raise RuntimeError('no')")
-    thread = precompile.warm_up_in_background(torch.device("cpu"))
-    thread.join(timeout=60)
-    assert not thread.is_alive()

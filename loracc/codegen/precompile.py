@@ -25,7 +25,6 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -133,42 +132,6 @@ def in_background(job: Callable[[], object], device: torch.device):
             _load(job(), device)
 
     return _background.submit(run)
-
-
-# A kernel that does nothing useful: compiling (or, on a warm start, finding) and loading it runs
-# what every process does once before its first kernel loads (Triton's imports, its CUDA driver's
-# and launcher's set-up, the hash of its own compiler and libraries, ``triton_key``).
-_WARM_UP_SOURCE = """import triton
-import triton.language as tl
-
-
-@triton.jit
-def warm_up(x_ptr, n):
-    offsets = tl.arange(0, 16)
-    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
-"""
-
-
-def warm_up_in_background(device: torch.device) -> threading.Thread:
-    """Start Triton's once-per-process set-up on a thread (see ``_WARM_UP_SOURCE``): it then runs
-    while the first region traces and plans, instead of before its first kernels load. Does
-    nothing on a failure (the first kernel then does the set-up itself, and reports any error)."""
-    def run():
-        try:
-            from triton.runtime.cache import triton_key
-
-            triton_key()  # functools.lru_cache: every later call returns this result
-            from .cache import load_kernel
-
-            on = _indexed(device)
-            with torch.cuda.device(on):
-                _load(load_kernel("warm_up", _WARM_UP_SOURCE, on).warmup(pointer(torch.float32), 16, grid=(1,)), on)
-        except Exception as exc:  # noqa: BLE001 - the first real kernel does the set-up and says what failed
-            log.debug("loracc: warming Triton up failed: %s", exc)
-
-    thread = threading.Thread(target=run, name="loracc-triton-warm-up", daemon=True)
-    thread.start()
-    return thread
 
 
 def _indexed(device: torch.device | None) -> torch.device | None:

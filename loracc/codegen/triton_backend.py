@@ -11,6 +11,7 @@ op, and the reason is kept in ``report`` (so nothing is silently approximated).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.fx as fx
@@ -42,6 +43,22 @@ def available(device: torch.device) -> str | None:
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on the CPU), not {device.type}"
 
 
+def _hash_triton_in_background() -> threading.Thread:
+    """Start Triton's hash of its own compiler and libraries (``triton_key``, part of every kernel's
+    cache key; computed once per process, a noticeable host cost) on a thread: it then runs while
+    the first region traces instead of before its first kernel loads (hashing releases the GIL)."""
+    def run():
+        try:
+            from triton.runtime.cache import triton_key
+            triton_key()  # functools.lru_cache: every later call returns this result
+        except Exception:  # noqa: BLE001 - another Triton: its first kernel computes the key itself
+            pass
+
+    thread = threading.Thread(target=run, name="loracc-triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
 class TritonBackend:
     name = "triton"
 
@@ -63,7 +80,7 @@ class TritonBackend:
         # The runtime's wrapper of a graph that may replay as a CUDA graph: one per backend, so that
         # every graph of the model on this device captures into one memory pool.
         self._graphs = graphs() if graphs is not None and self.cuda_graphs != "off" else None
-        self._warming_up = precompile.warm_up_in_background(device) if device.type == "cuda" else None
+        self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
 
     @gc_paused()
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
@@ -123,8 +140,8 @@ class TritonBackend:
             self.report.append(entry)
         gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)  # its Python code, generated once
         if self.device.type == "cuda":
-            if self._warming_up is not None:  # Triton's set-up, started with the backend: done once
-                self._warming_up.join()
+            if self._hashing is not None:
+                self._hashing.join()
             if compiling is None:
                 precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
             else:
