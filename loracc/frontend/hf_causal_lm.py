@@ -23,6 +23,7 @@ from torch import nn
 from ..capture.trace import RUN_HOOKS
 from ..ir import cross_entropy
 from ..runtime.region import PROMOTE_AFTER, Region
+from . import varlen_attention
 from .packing import PACKABLE, length_bucket, pack
 from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
@@ -382,18 +383,25 @@ class HeadForward(CompiledForward):
         head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
         self._first_call(call)
         packed = self._packed(call, labels)
+        boundaries = {}
         if packed is not None:
             # The packed sequences are kept apart by transformers' mask only without a cache.
             input_ids, attention_mask, inputs_embeds, labels = packed.input_ids, None, packed.inputs_embeds, packed.labels
             position_ids, use_cache = packed.position_ids, False
+            if packed.cu_seq_lens is not None:  # one row: the attention reads where each sequence starts
+                boundaries = {"cu_seq_lens_q": packed.cu_seq_lens}
         else:
             input_ids, attention_mask, inputs_embeds, labels = self._bucketed(
                 call.get("input_ids"), call.get("attention_mask"), call.get("position_ids"), call.get("inputs_embeds"), labels)
             position_ids = call.get("position_ids")
-        with _deferred(decoder.norm) if self.defers_norm else contextlib.nullcontext():
+        with contextlib.ExitStack() as scope:
+            if self.defers_norm:
+                scope.enter_context(_deferred(decoder.norm))
+            if boundaries:
+                varlen_attention.install(lm.config)
             outputs = decoder(
                 input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, **boundaries,
             )
         items = call.get("num_items_in_batch")
         if items is not None and not isinstance(items, torch.Tensor):
@@ -415,15 +423,38 @@ class HeadForward(CompiledForward):
             or call.get("position_ids") is not None or self._fp16(labels.device)
         ):
             return None
-        packed = pack(call.get("input_ids"), mask, call.get("inputs_embeds"), labels, always=self.packing)
+        one_row = self._one_row(labels.device)
+        packed = pack(call.get("input_ids"), mask, call.get("inputs_embeds"), labels, always=self.packing, one_row=one_row)
         if packed is None:
             return None
         if not self.packing:
             self.packing = True
             self.region.notes.append(
-                "padded batches run packed: each row's real tokens end to end in rows of the longest's length "
-                "bucket, attending only within their own sequence (frontend.packing)")
+                "padded batches run packed: every row's real tokens end to end in one row, each sequence attended "
+                "alone by " + ("flash-attention's variable-length kernel" if labels.device.type == "cuda" else
+                               "a block-diagonal causal mask") + " (frontend.packing, frontend.varlen_attention)"
+                if one_row else
+                "padded batches run packed: each row's real tokens end to end in rows of the longest's width, "
+                "attending only within their own sequence by transformers' mask (frontend.packing)")
         return packed
+
+    def _one_row(self, device: torch.device) -> bool:
+        """Whether packed batches go into one row whose attention reads the sequences' boundaries
+        (``varlen_attention``): on a CUDA device where its flash kernel computes every layer's
+        attention (no softcap, sliding window or attention dropout in the config; bf16 weights or
+        autocast), and on the CPU (where it runs with a block-diagonal mask). Elsewhere the
+        attention would need a mask over the whole row: rows of the longest's width instead."""
+        config = self.lm.config
+        if device.type == "cpu":
+            return True
+        if device.type != "cuda" or getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0):
+            return False
+        types = getattr(config, "layer_types", None)
+        windowed = (any("sliding" in t for t in types) if types is not None else
+                    getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True))
+        on = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if on else self.lm.lm_head.weight.dtype
+        return not windowed and dtype == torch.bfloat16
 
     def _first_call(self, call: dict) -> None:
         """At the first call with a 2-D attention mask and no position ids: remember its length, and

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .varlen_attention import boundaries
+
 # Families whose packed batches give the padded batch's numbers (tests/test_packing.py checks each).
 PACKABLE = frozenset({
     "apertus", "arcee", "cohere", "cohere2", "exaone4", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "granite",
@@ -42,6 +44,9 @@ class Packed:
     inputs_embeds: Tensor | None  # [rows, width, hidden]
     position_ids: Tensor  # [rows, width]: each sequence's own positions, the filler's from 0
     labels: Tensor  # [rows, width]: -100 at each sequence's first token and on the filler
+    # One row only: where each sequence starts and ends (``varlen_attention.boundaries``), for an
+    # attention that reads them instead of a mask.
+    cu_seq_lens: Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -71,6 +76,15 @@ def row_width(length: int) -> int:
     return width
 
 
+def one_row_width(tokens: int) -> int:
+    """The width of the one row a batch of ``tokens`` real tokens packs into, where attention reads
+    the sequences' boundaries (``pack(one_row=True)``): the next multiple of a quarter of the power
+    of two at or below it (at least 8), so at most 25% filler, 8% on the benchmark's lengths."""
+    tokens = max(tokens, 8)
+    step = max(8, 1 << max(tokens.bit_length() - 3, 0))
+    return -(-tokens // step) * step
+
+
 def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     """Bins of at most ``width`` tokens holding the indices of ``lengths`` (each at most ``width``),
     longest first, each into the first bin with room; the indices in a bin keep the batch's order."""
@@ -91,12 +105,15 @@ def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
 
 
 def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor | None, labels: Tensor,
-         always: bool = False) -> Packed | None:
+         always: bool = False, one_row: bool = False) -> Packed | None:
     """The batch packed (see the module), or None where packing would change its numbers (padding
     not on the right of every row, a pad whose label is not -100) or, unless ``always``, save
     nothing (no padding, as many packed rows as padded ones, fewer than two sequences). ``always``
     (batches already ran packed) keeps the layout of the calls before, whose programs take position
-    ids of every row. Never packs several rows into one (rows of half the tokens instead). Reads the
+    ids of every row. Without ``one_row``, never packs several rows into one (rows of half the
+    tokens instead): the attention keeps sequences apart by transformers' mask over each row. With
+    ``one_row`` (an attention that reads ``Packed.cu_seq_lens``: ``frontend.varlen_attention``),
+    every sequence goes into one row of ``one_row_width`` tokens, in the batch's order. Reads the
     mask's row lengths on the host (one sync)."""
     rows, length = attention_mask.shape
     if labels.shape != attention_mask.shape or (input_ids is None) == (inputs_embeds is None):
@@ -109,6 +126,10 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     lengths = info[2:]
     if not (info[0] and info[1]) or max(lengths) == 0 or (min(lengths) == length and not always):
         return None
+    if one_row:
+        members = [i for i, n in enumerate(lengths) if n > 0]
+        return _laid_out(input_ids, inputs_embeds, labels, lengths, length, [members], one_row_width(sum(lengths)),
+                         [lengths[i] for i in members])
     width = row_width(max(lengths))
     bins = first_fit_decreasing(lengths, width)
     if len(bins) == 1 and rows > 1:
@@ -125,6 +146,13 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
                 bins = [bins[0][:-1], bins[0][-1:]]
     if len(bins) >= rows and width >= length and not always:
         return None
+    return _laid_out(input_ids, inputs_embeds, labels, lengths, length, bins, width)
+
+
+def _laid_out(input_ids, inputs_embeds, labels, lengths, length, bins, width, one_row_lengths=None) -> Packed:
+    """The padded batch's sequences (``lengths`` of its rows of ``length``) laid out in ``bins`` of
+    ``width`` tokens; ``one_row_lengths``: the one bin's sequence lengths, for its boundaries."""
+    rows = len(lengths)
     # Where each packed token comes from (a flat index into the padded batch), its position, and
     # whether its label is kept (not a sequence's first token, not filler). Built on the host.
     source = torch.zeros(len(bins), width, dtype=torch.long)
@@ -139,10 +167,13 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
             keep[b, start + 1:start + n] = True
             start += n
         positions[b, start:] = torch.arange(width - start)
-    device = attention_mask.device
+    device = labels.device
     source, positions, keep = (t.to(device, non_blocking=True) for t in (source, positions, keep))
     flat_labels = labels.reshape(-1)[source]
     packed_labels = flat_labels.masked_fill(~keep, -100)
     ids = input_ids.reshape(-1)[source] if input_ids is not None else None
     embeds = inputs_embeds.reshape(rows * length, -1)[source] if inputs_embeds is not None else None
-    return Packed(ids, embeds, positions, packed_labels)
+    cu = None
+    if one_row_lengths is not None:
+        cu = boundaries(one_row_lengths, width, device)
+    return Packed(ids, embeds, positions, packed_labels, cu)

@@ -1,0 +1,162 @@
+"""Packed sequences attended one by one (``loracc.frontend.varlen_attention``): the boundaries, the
+attention against each sequence's own SDPA, the model's own attention where no boundaries come,
+and a compiled model trained on one packed row with eager's numbers."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loracc.frontend import varlen_attention
+from loracc.frontend.packing import one_row_width, pack
+from conftest import rel_err
+
+pytest.importorskip("transformers")
+
+
+def test_boundaries_end_each_sequence_then_the_filler_then_repeat_to_a_fixed_count():
+    cu = varlen_attention.boundaries([5, 3, 7], 20, "cpu")
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 8, 15, 20] + [20] * 12
+    assert varlen_attention.boundaries([5, 15], 20, "cpu").tolist()[:4] == [0, 5, 20, 20]  # no filler: full
+    assert [varlen_attention.slots(n) for n in (1, 16, 17, 40)] == [17, 17, 33, 65]
+    with pytest.raises(ValueError, match="do not fit"):
+        varlen_attention.boundaries([15, 9], 20, "cpu")
+
+
+def test_one_row_packs_every_sequence_in_the_batchs_order_with_its_boundaries():
+    ids = torch.randint(3, 100, (3, 9))
+    mask = (torch.arange(9) < torch.tensor([9, 2, 5])[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    packed = pack(ids, mask, None, labels, one_row=True)
+    assert (packed.rows, packed.width) == (1, one_row_width(16)) == (1, 16)
+    assert packed.input_ids[0].tolist() == ids[0].tolist() + ids[1, :2].tolist() + ids[2, :5].tolist()
+    assert packed.position_ids[0].tolist() == [*range(9), 0, 1, 0, 1, 2, 3, 4]
+    assert packed.cu_seq_lens.tolist()[:5] == [0, 9, 11, 16, 16]
+    assert packed.labels[0, [0, 9, 11]].tolist() == [-100] * 3  # each sequence's first token predicts nothing
+    assert [one_row_width(n) for n in (1, 8, 9, 100, 1000, 4097)] == [8, 8, 16, 112, 1024, 5120]
+
+
+class _Attention(torch.nn.Module):
+    """Stands in for a transformers attention module: what the attention function reads of it."""
+
+    def __init__(self, implementation: str):
+        super().__init__()
+        from transformers import LlamaConfig
+
+        self.config = LlamaConfig()
+        self.config._attn_implementation = implementation
+        self.num_key_value_groups = 2
+        self.is_causal = True
+
+
+def _reference(q, k, v, lengths, scale):
+    """Each sequence alone through SDPA (causal), key/value heads repeated."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    outs, start = [], 0
+    for n in lengths:
+        part = slice(start, start + n)
+        outs.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True,
+                                                   scale=scale))
+        start += n
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _qkv(tokens, device, dtype, seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    q = torch.randn(1, 4, tokens, 16, generator=g, device=device, dtype=dtype).requires_grad_(True)
+    k = torch.randn(1, 2, tokens, 16, generator=g, device=device, dtype=dtype).requires_grad_(True)
+    v = torch.randn(1, 2, tokens, 16, generator=g, device=device, dtype=dtype).requires_grad_(True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("implementation", ["loracc_packed|sdpa", "loracc_packed|eager"])
+def test_each_sequence_attends_only_to_its_own_earlier_tokens(implementation):
+    """The masked path (CPU, fp32): output and q/k/v gradients equal each sequence's own SDPA,
+    through the model's own implementation (SDPA's boolean mask, eager's additive one)."""
+    import transformers.models.llama.modeling_llama  # noqa: F401  (the family whose eager attention runs)
+
+    lengths, width = [7, 3, 11], 24  # and a filler of 3
+    q, k, v = _qkv(width, "cpu", torch.float32)
+    module = type("LlamaLike", (_Attention,), {"__module__": "transformers.models.llama.modeling_llama"})(implementation)
+    cu = varlen_attention.boundaries(lengths, width, "cpu")
+    out, _ = varlen_attention.attention(module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)
+    expected = _reference(q, k, v, lengths + [3], 0.25)
+    assert rel_err(out, expected) <= 1e-5
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    assert all(rel_err(a, b) <= 1e-5 for a, b in zip(got, want))
+
+
+def test_a_call_without_boundaries_is_the_models_own_attention_with_its_mask():
+    q, k, v = _qkv(10, "cpu", torch.float32, seed=1)
+    mask = torch.ones(1, 1, 10, 10, dtype=torch.bool).tril()
+    mask[..., 6:, :6] = False
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = _Attention("loracc_packed|sdpa")
+    out, _ = varlen_attention.attention(module, q, k, v, mask, scaling=0.25)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert torch.equal(out, expected)
+
+
+def test_install_keeps_the_own_implementation_in_its_name_and_is_idempotent():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig()
+    config._attn_implementation = "sdpa"
+    varlen_attention.install(config)
+    varlen_attention.install(config)
+    assert config._attn_implementation == "loracc_packed|sdpa"
+
+
+def test_a_padded_batch_trains_on_one_packed_row_with_eagers_numbers_and_so_do_rows_of_its_width(monkeypatch):
+    """Compiled (eager backend, CPU): one packed row with boundaries, and, where the one row does
+    not apply (HeadForward._one_row False: a GPU model in fp32 or with a sliding window), rows of
+    the longest's width with transformers' mask; both with eager PEFT's loss and LoRA gradients."""
+    import loracc
+    from loracc.frontend.hf_causal_lm import HeadForward
+    from loracc.tools import presets
+
+    for one_row in (True, False):
+        monkeypatch.setattr(HeadForward, "_one_row", lambda self, device, one_row=one_row: one_row)
+        eager, _ = presets.preset("llama", layers=2)
+        compiled = loracc.compile(copy.deepcopy(eager), backend="eager")
+        for seed, lengths in enumerate([(12, 5, 9, 3), (14, 2, 7, 7)]):
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(3, eager.config.vocab_size - 1, (4, max(lengths)), generator=g)
+            mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+            losses = []
+            for model in (eager, compiled):
+                model.zero_grad(set_to_none=True)
+                loss = model(**batch).loss
+                loss.backward()
+                losses.append(loss)
+            assert rel_err(losses[1].detach(), losses[0].detach()) <= 1e-5
+            grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (eager, compiled)]
+            assert grads[0].keys() == grads[1].keys() and grads[0]
+            assert all(rel_err(grads[1][n], g) <= 1e-4 for n, g in grads[0].items())
+        notes = str(loracc.explain(compiled))
+        assert ("in one row" in notes) == one_row and "padded batches run packed" in notes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: flash-attention's kernel")
+def test_flash_attends_each_sequence_alone_on_the_gpu_within_bf16_error():
+    """bf16 on the GPU (flash-attention's variable-length kernel, grouped key/value heads): output
+    and gradients against each sequence's own fp32 SDPA, within bf16's tolerance."""
+    lengths, width = [700, 33, 1000, 1], 2048  # a filler of 314; lengths not multiples of the blocks
+    q, k, v = _qkv(width, "cuda", torch.bfloat16, seed=2)
+    module = _Attention("loracc_packed|sdpa").cuda()
+    cu = varlen_attention.boundaries(lengths, width, "cuda")
+    assert varlen_attention.flash_applies(q, 0.0, None, None)
+    out, _ = varlen_attention.attention(module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)
+    q32, k32, v32 = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    expected = _reference(q32, k32, v32, lengths + [314], 0.25)
+    assert rel_err(out.float(), expected) <= 2e-2
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q32, k32, v32), grad.float())
+    assert all(rel_err(a.float(), b) <= 2e-2 for a, b in zip(got, want))
