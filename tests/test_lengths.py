@@ -420,11 +420,15 @@ def _layer_lengths(model) -> set[int]:
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_varying_padded_lengths_run_at_length_buckets_with_eager_numbers(side):
-    """From the second length on, a padded batch runs padded on the right to its length bucket
+def test_varying_padded_lengths_run_at_length_buckets_with_eager_numbers(side, monkeypatch):
+    """From the second length on, a padded batch that does not run packed (packing into rows saves
+    nothing here; a left-padded one never packs) runs padded on the right to its length bucket
     (17 → 24, 23 → 24, 30 → 32: lengths of a bucket share CUDA graphs); loss and every LoRA
     gradient are eager PEFT's on the batch as given, right or left padded."""
+    from loracc.frontend.hf_causal_lm import HeadForward
     from loracc.frontend.packing import length_bucket
+
+    monkeypatch.setattr(HeadForward, "_one_row", lambda self, device: False)  # as on a GPU in fp32
 
     eager, compiled = _pair(layers=2)
     lengths = (12, 17, 23, 30, 12)
@@ -436,7 +440,10 @@ def test_varying_padded_lengths_run_at_length_buckets_with_eager_numbers(side):
     assert "run padded on the right to length buckets" in explained and "symbolic from the first call" in explained
 
 
-def test_one_padded_length_is_never_bucketed():
+def test_one_padded_length_is_never_bucketed(monkeypatch):
+    from loracc.frontend.hf_causal_lm import HeadForward
+
+    monkeypatch.setattr(HeadForward, "_one_row", lambda self, device: False)  # rows, as on a GPU in fp32
     eager, compiled = _pair(layers=2)
     for seed in range(3):
         _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, 17, seed=seed))

@@ -24,7 +24,7 @@ from ..capture.trace import RUN_HOOKS
 from ..ir import cross_entropy
 from ..runtime.region import PROMOTE_AFTER, Region
 from . import varlen_attention
-from .packing import PACKABLE, length_bucket, pack
+from .packing import PACKABLE, flatten, length_bucket, pack
 from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
 
@@ -342,6 +342,7 @@ class HeadForward(CompiledForward):
         self.bucketing = False  # a batch was padded to its length bucket
         self.packable = getattr(lm.config, "model_type", None) in PACKABLE
         self.packing = False  # a padded batch ran packed
+        self.flattening = False  # packed rows ran as one row
 
     @property
     def __signature__(self):
@@ -382,7 +383,7 @@ class HeadForward(CompiledForward):
         head = self.head
         head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
         self._first_call(call)
-        packed = self._packed(call, labels)
+        packed = self._packed(call, labels) or self._flattened(call, labels)
         boundaries = {}
         if packed is not None:
             # The packed sequences are kept apart by transformers' mask only without a cache.
@@ -431,12 +432,29 @@ class HeadForward(CompiledForward):
             self.packing = True
             self.region.notes.append(
                 "padded batches run packed: every row's real tokens end to end in one row, each sequence attended "
-                "alone by " + ("flash-attention's variable-length kernel" if labels.device.type == "cuda" else
-                               "a block-diagonal causal mask") + " (frontend.packing, frontend.varlen_attention)"
+                "alone by " + _attended_by(labels.device) + " (frontend.packing, frontend.varlen_attention)"
                 if one_row else
                 "padded batches run packed: each row's real tokens end to end in rows of the longest's width, "
                 "attending only within their own sequence by transformers' mask (frontend.packing)")
         return packed
+
+    def _flattened(self, call: dict, labels):
+        """A batch of packed rows (position ids and no attention mask: ``DataCollatorWithFlattening``,
+        TRL's padding-free batches) laid end to end in one row with its sequences' boundaries
+        (``packing.flatten``), where the one row applies (``_one_row``); else None."""
+        positions = call.get("position_ids")
+        if (
+            not self.packable or not self.head.fused or positions is None or positions.dim() != 2
+            or call.get("attention_mask") is not None or labels.shape != positions.shape
+            or self._fp16(labels.device) or not self._one_row(labels.device)
+        ):
+            return None
+        if not self.flattening:
+            self.flattening = True
+            self.region.notes.append(
+                "packed rows (position ids, no attention mask) run as one row, each sequence attended alone by "
+                + _attended_by(labels.device) + " (frontend.packing.flatten, frontend.varlen_attention)")
+        return flatten(call.get("input_ids"), call.get("inputs_embeds"), positions, labels)
 
     def _one_row(self, device: torch.device) -> bool:
         """Whether packed batches go into one row whose attention reads the sequences' boundaries
@@ -496,6 +514,10 @@ class HeadForward(CompiledForward):
         if inputs_embeds is not None:
             inputs_embeds = pad(inputs_embeds, (0, 0, 0, extra))
         return input_ids, pad(attention_mask, (0, extra), value=0), inputs_embeds, pad(labels, (0, extra), value=-100)
+
+
+def _attended_by(device: torch.device) -> str:
+    return "flash-attention's variable-length kernel" if device.type == "cuda" else "a block-diagonal causal mask"
 
 
 def _reads_once(module: nn.Module, name: str) -> bool:

@@ -149,6 +149,26 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     return _laid_out(input_ids, inputs_embeds, labels, lengths, length, bins, width)
 
 
+def flatten(input_ids: Tensor | None, inputs_embeds: Tensor | None, position_ids: Tensor, labels: Tensor) -> Packed:
+    """Rows already packed (position ids, no attention mask: ``DataCollatorWithFlattening``'s, TRL's
+    padding-free batches) laid end to end in one row with their sequences' boundaries. A sequence
+    starts at each row's start and wherever a position is not the one before plus one: where
+    transformers' mask (``find_packed_sequence_indices``) starts one. Each row's first label is
+    made -100: no token predicted it in the rows (the loss shifts within a row), and the last token
+    of the row before must not. Reads the boundaries on the host (one sync)."""
+    rows, width = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids.diff(dim=-1) != 1
+    ends = starts.reshape(-1).nonzero().flatten().tolist()[1:] + [rows * width]
+    lengths = [b - a for a, b in zip([0] + ends[:-1], ends)]
+    labels = labels.clone()
+    labels[:, 0] = -100
+    return Packed(
+        input_ids.reshape(1, -1) if input_ids is not None else None,
+        inputs_embeds.reshape(1, rows * width, -1) if inputs_embeds is not None else None,
+        position_ids.reshape(1, -1), labels.reshape(1, -1), boundaries(lengths, rows * width, labels.device))
+
+
 def _laid_out(input_ids, inputs_embeds, labels, lengths, length, bins, width, one_row_lengths=None) -> Packed:
     """The padded batch's sequences (``lengths`` of its rows of ``length``) laid out in ``bins`` of
     ``width`` tokens; ``one_row_lengths``: the one bin's sequence lengths, for its boundaries."""
