@@ -323,9 +323,11 @@ class HeadForward(CompiledForward):
     never padded.
 
     A right-padded batch of a family in ``packing.PACKABLE`` whose loss is fused (no logits
-    returned) runs packed instead (``packing.pack``): its real tokens end to end in fewer rows of
-    the longest row's length bucket, with position ids, so no pad token is computed; the loss and
-    every gradient are still the padded batch's."""
+    returned) runs packed instead (``packing.pack``): its real tokens end to end, with position
+    ids, so no pad token is computed; in one row whose attention reads each sequence's boundaries
+    where ``_one_row`` (``varlen_attention``), else in rows of the longest's width. Rows the user
+    packed (position ids, no mask) run as one row too (``packing.flatten``). The loss and every
+    gradient are still the batch's as given."""
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
 

@@ -1,13 +1,20 @@
-"""Padded causal-LM batches run packed: each row's real tokens laid end to end in fewer rows.
+"""Padded causal-LM batches run packed: each row's real tokens laid end to end.
 
 A collator that pads every row to the batch's longest (Trainer's default, ``DataCollatorForSeq2Seq``,
 TRL without packing) makes the decoder compute its pad tokens too: where lengths vary, a large
-share of each batch. ``pack`` moves the real tokens of a right-padded batch
-into rows of ``row_width(longest)`` tokens (first-fit decreasing), each sequence at the
-positions it had (0, 1, ...), with ``position_ids`` and no attention mask: the layout of
-``DataCollatorWithFlattening``, in which transformers' mask functions let each token attend only
-to the earlier tokens of its own sequence. What is left at the end of a row is a filler sequence
-(positions from 0, labels -100), which attends only to itself.
+share of each batch. ``pack`` moves the real tokens of a right-padded batch, each sequence at the
+positions it had (0, 1, ...), with ``position_ids`` and no attention mask:
+
+- ``one_row``: into one row of ``one_row_width(real tokens)``, with the sequences' boundaries
+  (``Packed.cu_seq_lens``), which an attention that reads them (``frontend.varlen_attention``)
+  attends one by one;
+- otherwise: into rows of ``row_width(longest)`` tokens (first-fit decreasing), the layout of
+  ``DataCollatorWithFlattening``, in which transformers' mask functions let each token attend only
+  to the earlier tokens of its own sequence.
+
+What is left at the end of a row is a filler sequence (positions from 0, labels -100), which
+attends only to itself. ``flatten`` lays rows the user packed (position ids, no mask) end to end
+in one row the same way.
 
 The loss and every gradient are those of the padded batch: a token's target is the next token of
 its own row (each sequence's first label is made -100, so no token learns to predict the next
