@@ -112,6 +112,20 @@ def test_install_keeps_the_own_implementation_in_its_name_and_is_idempotent():
     assert config._attn_implementation == "loracc_packed|sdpa"
 
 
+def _assert_same_training(eager, compiled, batch):
+    """One step of each on ``batch``: the same loss (1e-5) and every LoRA gradient (1e-4)."""
+    losses = []
+    for model in (eager, compiled):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel_err(losses[1].detach(), losses[0].detach()) <= 1e-5
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (eager, compiled)]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(rel_err(grads[1][n], g) <= 1e-4 for n, g in grads[0].items())
+
+
 def test_a_padded_batch_trains_on_one_packed_row_with_eagers_numbers_and_so_do_rows_of_its_width(monkeypatch):
     """Compiled (eager backend, CPU): one packed row with boundaries, and, where the one row does
     not apply (HeadForward._one_row False: a GPU model in fp32 or with a sliding window), rows of
@@ -128,17 +142,8 @@ def test_a_padded_batch_trains_on_one_packed_row_with_eagers_numbers_and_so_do_r
             g = torch.Generator().manual_seed(seed)
             ids = torch.randint(3, eager.config.vocab_size - 1, (4, max(lengths)), generator=g)
             mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
-            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-            losses = []
-            for model in (eager, compiled):
-                model.zero_grad(set_to_none=True)
-                loss = model(**batch).loss
-                loss.backward()
-                losses.append(loss)
-            assert rel_err(losses[1].detach(), losses[0].detach()) <= 1e-5
-            grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (eager, compiled)]
-            assert grads[0].keys() == grads[1].keys() and grads[0]
-            assert all(rel_err(grads[1][n], g) <= 1e-4 for n, g in grads[0].items())
+            _assert_same_training(eager, compiled, {"input_ids": ids, "attention_mask": mask,
+                                                    "labels": ids.masked_fill(mask == 0, -100)})
         notes = str(loracc.explain(compiled))
         assert ("in one row" in notes) == one_row and "padded batches run packed" in notes
 
@@ -189,14 +194,6 @@ def test_packed_rows_train_as_one_row_with_eagers_numbers():
         for r, row in enumerate(rows):  # each sequence's first label -100, as the collator makes it
             starts = [sum(row[:i]) for i in range(len(row))]
             labels[r, starts] = -100
-        batch = {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
-        losses = []
-        for model in (eager, compiled):
-            model.zero_grad(set_to_none=True)
-            loss = model(**batch).loss
-            loss.backward()
-            losses.append(loss)
-        assert rel_err(losses[1].detach(), losses[0].detach()) <= 1e-5
-        grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (eager, compiled)]
-        assert grads[0] and all(rel_err(grads[1][n], g) <= 1e-4 for n, g in grads[0].items())
+        _assert_same_training(eager, compiled, {"input_ids": ids, "position_ids": positions, "labels": labels,
+                                                "use_cache": False})
     assert "packed rows (position ids, no attention mask) run as one row" in str(loracc.explain(compiled))
