@@ -196,3 +196,24 @@ def test_packed_batches_on_the_gpu_in_bf16_within_eager_bf16_error(family):
     report = loracc.explain(compiled)
     assert PACKED_NOTE in str(report) and "flash-attention's variable-length kernel" in str(report)
     assert not report.fallbacks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("model_type", sorted(PACKABLE))
+def test_every_packable_family_packs_on_the_gpu_in_bf16_within_eager_bf16_error(model_type):
+    """Each family's padded batches, packed (one row with flash-attention's variable-length kernel
+    where it applies, else rows), compiled with the Triton backend under bf16 autocast: loss and
+    LoRA gradients as close to the fp32 eager reference as eager PEFT's own bf16 runs are."""
+    from conftest import assert_within_eager_bf16_error, bf16_run, with_bf16_rounded_embeddings
+
+    reference = _family(model_type).cuda()
+    eager = copy.deepcopy(reference)
+    control = with_bf16_rounded_embeddings(copy.deepcopy(reference))
+    compiled = loracc.compile(copy.deepcopy(reference))
+    runs = []
+    for seed, lengths in enumerate([(37, 12, 20, 5), (64, 30, 9, 17)]):
+        batch = {k: v.cuda() for k, v in _right_padded(lengths, vocab=reference.config.vocab_size, seed=seed).items()}
+        runs.append(bf16_run(reference, eager, control, compiled, batch))
+    assert_within_eager_bf16_error(runs)
+    report = loracc.explain(compiled)
+    assert PACKED_NOTE in str(report) and not report.fallbacks

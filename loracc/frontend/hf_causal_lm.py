@@ -461,13 +461,14 @@ class HeadForward(CompiledForward):
     def _one_row(self, device: torch.device) -> bool:
         """Whether packed batches go into one row whose attention reads the sequences' boundaries
         (``varlen_attention``): on a CUDA device where its flash kernel computes every layer's
-        attention (no softcap, sliding window or attention dropout in the config; bf16 weights or
-        autocast), and on the CPU (where it runs with a block-diagonal mask). Elsewhere the
+        attention (compute capability 8.0 or later; no softcap, sliding window or attention dropout
+        in the config; bf16 weights or autocast), and on the CPU (where it runs with a block-diagonal mask). Elsewhere the
         attention would need a mask over the whole row: rows of the longest's width instead."""
         config = self.lm.config
         if device.type == "cpu":
             return True
-        if device.type != "cuda" or getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0):
+        if (device.type != "cuda" or getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0)
+                or torch.cuda.get_device_capability(device) < (8, 0)):
             return False
         types = getattr(config, "layer_types", None)
         windowed = (any("sliding" in t for t in types) if types is not None else

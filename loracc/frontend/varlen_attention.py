@@ -79,9 +79,11 @@ def install(config) -> None:
 
 def flash_applies(query: Tensor, dropout: float, sliding_window, softcap) -> bool:
     """Whether flash-attention's variable-length kernel computes this call: a CUDA tensor in
-    bf16/fp16, head size a multiple of 8 up to 256, no dropout, sliding window or softcap."""
+    bf16/fp16 on a GPU of compute capability 8.0 or later, head size a multiple of 8 up to 256, no
+    dropout, sliding window or softcap."""
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] % 8 == 0
-            and query.shape[-1] <= 256 and not dropout and sliding_window is None and softcap is None)
+            and query.shape[-1] <= 256 and not dropout and sliding_window is None and softcap is None
+            and torch.cuda.get_device_capability(query.device) >= (8, 0))
 
 
 def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
