@@ -427,3 +427,14 @@ def test_64_bit_offsets_compute_the_same_values(dtype):
         scale = max(e.float().abs().max().item() for e in expected)
         for g, e in zip(got, expected):
             assert not g.isnan().any() and _close(g, e, dtype, scale), kernel.name
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1, 1)], ids=["[1]", "[1, 1, 1]"])
+def test_a_one_element_input_broadcast_over_every_row_is_read_once(shape):
+    """A parameter of one element (an activation's learned scale) broadcast over the rows: its load
+    takes no row mask (a block mask on a scalar pointer does not compile)."""
+    x = torch.randn(3, 37, 100, device=DEVICE)
+    a = torch.randn(shape, device=DEVICE)
+    results = _group_kernels_on(lambda x, a: (torch.nn.functional.silu(x) * a + a,), (x, a))
+    for kernel, got, expected in results:
+        assert all(rel_err(g, e) <= 1e-5 for g, e in zip(got, expected)), kernel.name

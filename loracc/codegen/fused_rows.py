@@ -175,7 +175,7 @@ class _Emitter:
         index = self.inputs[node]
         val = node.meta["val"]
         pointer = f"in{index}"
-        if val.ndim == 0:
+        if val.ndim == 0 or all(size == 1 for size in val.shape):  # one value for every row: no row mask
             offset, mask = "0", None
         else:
             row = self._row_offset(pointer, "in", index, val)
