@@ -93,6 +93,8 @@ def test_sft_trainer_matches_eager(tmp_path, config):
     block = next(r for r in model._loracc.regions if r.kind == "block")
     assert block.calls > 0, "SFTTrainer's steps did not run loracc's block region"
     assert not loracc.explain(model).fallbacks
+    if config.get("packing"):  # padding-free batches (position ids, no mask): the decoder runs them as one row
+        assert "packed rows (position ids, no attention mask) run as one row" in str(loracc.explain(model))
 
     got, expected = logged(compiled), logged(eager)
     assert len(got) == len(expected) == 6, (got, expected)

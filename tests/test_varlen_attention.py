@@ -168,14 +168,28 @@ def test_flash_attends_each_sequence_alone_on_the_gpu_within_bf16_error():
 
 
 def test_packed_rows_flatten_into_one_row_where_transformers_starts_each_sequence():
-    from loracc.frontend.packing import flatten
+    from loracc.frontend.packing import flatten_call
+    from loracc.tools import presets
 
+    model, _ = presets.preset("llama", layers=1)
+    decoder = model.get_base_model().model
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 5, 6, 0, 1]])  # a jump (2 → 5) starts a sequence too
     ids = torch.arange(12).reshape(2, 6)
-    flat = flatten(ids, None, positions, ids.clone())
-    assert flat.input_ids.tolist() == [list(range(12))] and flat.position_ids.shape == (1, 12)
-    assert flat.cu_seq_lens.tolist()[:7] == [0, 3, 5, 6, 8, 10, 12]
-    assert flat.labels[0, [0, 6]].tolist() == [-100, -100] and flat.labels[0, 7] == 7
+    call, rows = flatten_call(decoder, {"input_ids": ids, "position_ids": positions, "use_cache": False})
+    assert rows == 2 and call["input_ids"].tolist() == [list(range(12))] and call["position_ids"].shape == (1, 12)
+    assert call["cu_seq_lens_q"].tolist()[:7] == [0, 3, 5, 6, 8, 10, 12]
+    # A collator's own boundaries for transformers' flash-attention path are replaced.
+    theirs = {"cu_seq_lens_q": torch.tensor([0, 3, 12]), "max_length_q": 9}
+    replaced, _ = flatten_call(decoder, {"input_ids": ids, "position_ids": positions, "use_cache": False, **theirs})
+    assert torch.equal(replaced["cu_seq_lens_q"], call["cu_seq_lens_q"]) and "max_length_q" not in replaced
+    # Not where the call has a mask or a cache, nor for rows loracc laid out itself.
+    for extra in ({"attention_mask": torch.ones_like(ids)}, {"use_cache": True}):
+        assert flatten_call(decoder, {"input_ids": ids, "position_ids": positions, "use_cache": False, **extra}) is None
+    token = varlen_attention.LAID_OUT.set(True)
+    try:
+        assert flatten_call(decoder, {"input_ids": ids, "position_ids": positions, "use_cache": False}) is None
+    finally:
+        varlen_attention.LAID_OUT.reset(token)
 
 
 def test_packed_rows_train_as_one_row_with_eagers_numbers():

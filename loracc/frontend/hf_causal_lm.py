@@ -24,7 +24,7 @@ from ..capture.trace import RUN_HOOKS
 from ..ir import cross_entropy
 from ..runtime.region import PROMOTE_AFTER, Region
 from . import varlen_attention
-from .packing import PACKABLE, flatten, length_bucket, pack
+from .packing import PACKABLE, length_bucket, pack
 from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
 
@@ -325,9 +325,9 @@ class HeadForward(CompiledForward):
     A right-padded batch of a family in ``packing.PACKABLE`` whose loss is fused (no logits
     returned) runs packed instead (``packing.pack``): its real tokens end to end, with position
     ids, so no pad token is computed; in one row whose attention reads each sequence's boundaries
-    where ``_one_row`` (``varlen_attention``), else in rows of the longest's width. Rows the user
-    packed (position ids, no mask) run as one row too (``packing.flatten``). The loss and every
-    gradient are still the batch's as given."""
+    where ``_one_row`` (``varlen_attention``), else in rows of the longest's width. (Rows the user
+    packed, with position ids and no mask, are laid end to end by the decoder's own call:
+    ``patching._NoCacheInTraining``.) The loss and every gradient are still the batch's as given."""
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
 
@@ -344,7 +344,6 @@ class HeadForward(CompiledForward):
         self.bucketing = False  # a batch was padded to its length bucket
         self.packable = getattr(lm.config, "model_type", None) in PACKABLE
         self.packing = False  # a padded batch ran packed
-        self.flattening = False  # packed rows ran as one row
 
     @property
     def __signature__(self):
@@ -385,7 +384,7 @@ class HeadForward(CompiledForward):
         head = self.head
         head.fused = _fusable_loss(lm)  # lm_head's requires_grad may change; it is part of the guard
         self._first_call(call)
-        packed = self._packed(call, labels) or self._flattened(call, labels)
+        packed = self._packed(call, labels)
         boundaries = {}
         if packed is not None:
             # The packed sequences are kept apart by transformers' mask only without a cache.
@@ -402,6 +401,8 @@ class HeadForward(CompiledForward):
                 scope.enter_context(_deferred(decoder.norm))
             if boundaries:
                 varlen_attention.install(lm.config)
+                token = varlen_attention.LAID_OUT.set(True)
+                scope.callback(varlen_attention.LAID_OUT.reset, token)
             outputs = decoder(
                 input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, **boundaries,
@@ -434,48 +435,18 @@ class HeadForward(CompiledForward):
             self.packing = True
             self.region.notes.append(
                 "padded batches run packed: every row's real tokens end to end in one row, each sequence attended "
-                "alone by " + _attended_by(labels.device) + " (frontend.packing, frontend.varlen_attention)"
+                "alone by " + varlen_attention.attended_by(labels.device) + " (frontend.packing, frontend.varlen_attention)"
                 if one_row else
                 "padded batches run packed: each row's real tokens end to end in rows of the longest's width, "
                 "attending only within their own sequence by transformers' mask (frontend.packing)")
         return packed
 
-    def _flattened(self, call: dict, labels):
-        """A batch of packed rows (position ids and no attention mask: ``DataCollatorWithFlattening``,
-        TRL's padding-free batches) laid end to end in one row with its sequences' boundaries
-        (``packing.flatten``), where the one row applies (``_one_row``); else None."""
-        positions = call.get("position_ids")
-        if (
-            not self.packable or not self.head.fused or positions is None or positions.dim() != 2
-            or call.get("attention_mask") is not None or labels.shape != positions.shape
-            or self._fp16(labels.device) or not self._one_row(labels.device)
-        ):
-            return None
-        if not self.flattening:
-            self.flattening = True
-            self.region.notes.append(
-                "packed rows (position ids, no attention mask) run as one row, each sequence attended alone by "
-                + _attended_by(labels.device) + " (frontend.packing.flatten, frontend.varlen_attention)")
-        return flatten(call.get("input_ids"), call.get("inputs_embeds"), positions, labels)
-
     def _one_row(self, device: torch.device) -> bool:
         """Whether packed batches go into one row whose attention reads the sequences' boundaries
-        (``varlen_attention``): on a CUDA device where its flash kernel computes every layer's
-        attention (compute capability 8.0 or later; no softcap, sliding window or attention dropout
-        in the config; bf16 weights or autocast), and on the CPU (where it runs with a block-diagonal mask). Elsewhere the
-        attention would need a mask over the whole row: rows of the longest's width instead."""
-        config = self.lm.config
-        if device.type == "cpu":
-            return True
-        if (device.type != "cuda" or getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0)
-                or torch.cuda.get_device_capability(device) < (8, 0)):
-            return False
-        types = getattr(config, "layer_types", None)
-        windowed = (any("sliding" in t for t in types) if types is not None else
-                    getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True))
+        (``varlen_attention.one_row_applies``); else rows of the longest's width."""
         on = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if on else self.lm.lm_head.weight.dtype
-        return not windowed and dtype == torch.bfloat16
+        return varlen_attention.one_row_applies(self.lm.config, device, dtype)
 
     def _first_call(self, call: dict) -> None:
         """At the first call with a 2-D attention mask and no position ids: remember its length, and
@@ -517,10 +488,6 @@ class HeadForward(CompiledForward):
         if inputs_embeds is not None:
             inputs_embeds = pad(inputs_embeds, (0, 0, 0, extra))
         return input_ids, pad(attention_mask, (0, extra), value=0), inputs_embeds, pad(labels, (0, extra), value=-100)
-
-
-def _attended_by(device: torch.device) -> str:
-    return "flash-attention's variable-length kernel" if device.type == "cuda" else "a block-diagonal causal mask"
 
 
 def _reads_once(module: nn.Module, name: str) -> bool:

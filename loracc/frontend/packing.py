@@ -13,8 +13,8 @@ positions it had (0, 1, ...), with ``position_ids`` and no attention mask:
   to the earlier tokens of its own sequence.
 
 What is left at the end of a row is a filler sequence (positions from 0, labels -100), which
-attends only to itself. ``flatten`` lays rows the user packed (position ids, no mask) end to end
-in one row the same way.
+attends only to itself. ``flatten_call`` lays rows the user packed (position ids, no mask) end
+to end in one row the same way, at the decoder's call.
 
 The loss and every gradient are those of the padded batch: a token's target is the next token of
 its own row (each sequence's first label is made -100, so no token learns to predict the next
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .varlen_attention import boundaries
+from .varlen_attention import FLASH_KWARGS, LAID_OUT, boundaries, one_row_applies
 
 # Families whose packed batches give the padded batch's numbers (tests/test_packing.py checks each).
 PACKABLE = frozenset({
@@ -156,24 +156,47 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     return _laid_out(input_ids, inputs_embeds, labels, lengths, length, bins, width)
 
 
-def flatten(input_ids: Tensor | None, inputs_embeds: Tensor | None, position_ids: Tensor, labels: Tensor) -> Packed:
-    """Rows already packed (position ids, no attention mask: ``DataCollatorWithFlattening``'s, TRL's
-    padding-free batches) laid end to end in one row with their sequences' boundaries. A sequence
-    starts at each row's start and wherever a position is not the one before plus one: where
-    transformers' mask (``find_packed_sequence_indices``) starts one. Each row's first label is
-    made -100: no token predicted it in the rows (the loss shifts within a row), and the last token
-    of the row before must not. Reads the boundaries on the host (one sync)."""
-    rows, width = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids.diff(dim=-1) != 1
+def flatten_call(decoder, call: dict) -> tuple[dict, int] | None:
+    """A decoder's training call whose rows are already packed (position ids, no attention mask:
+    ``DataCollatorWithFlattening``'s, TRL's padding-free batches), laid end to end in one row with
+    its sequences' boundaries (``cu_seq_lens_q``), and its number of rows (the caller reshapes the
+    hidden states back); None where that does not apply: a family not in ``PACKABLE``, a mask, a
+    cache, hidden states or attentions asked for, rows loracc laid out itself (``LAID_OUT``), or an
+    attention that would need a mask over the whole row (``varlen_attention.one_row_applies``).
+    Boundaries a collator passed for transformers' flash-attention path (``FLASH_KWARGS``, TRL's)
+    are replaced by these. A sequence starts at each
+    row's start and wherever a position is not the one before plus one: where transformers' mask
+    (``find_packed_sequence_indices``) starts one. Each row's loss is the head's, on the rows as
+    given. Reads the boundaries on the host (one sync)."""
+    config = getattr(decoder, "config", None)
+    positions, ids, embeds = call.get("position_ids"), call.get("input_ids"), call.get("inputs_embeds")
+    use_cache = call.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(config, "use_cache", False)
+    tokens = ids if ids is not None else embeds
+    if (
+        getattr(config, "model_type", None) not in PACKABLE or not isinstance(positions, Tensor) or positions.dim() != 2
+        or call.get("attention_mask") is not None or call.get("past_key_values") is not None or use_cache
+        or call.get("output_hidden_states") or call.get("output_attentions") or LAID_OUT.get()
+        or tokens is None or tuple(tokens.shape[:2]) != tuple(positions.shape)
+    ):
+        return None
+    on = torch.is_autocast_enabled(positions.device.type)
+    dtype = torch.get_autocast_dtype(positions.device.type) if on else decoder.get_input_embeddings().weight.dtype
+    if not one_row_applies(config, positions.device, dtype):
+        return None
+    rows, width = positions.shape
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions.diff(dim=-1) != 1
     ends = starts.reshape(-1).nonzero().flatten().tolist()[1:] + [rows * width]
     lengths = [b - a for a, b in zip([0] + ends[:-1], ends)]
-    labels = labels.clone()
-    labels[:, 0] = -100
-    return Packed(
-        input_ids.reshape(1, -1) if input_ids is not None else None,
-        inputs_embeds.reshape(1, rows * width, -1) if inputs_embeds is not None else None,
-        position_ids.reshape(1, -1), labels.reshape(1, -1), boundaries(lengths, rows * width, labels.device))
+    flat = {**{k: v for k, v in call.items() if k not in FLASH_KWARGS}, "position_ids": positions.reshape(1, -1), "use_cache": False,
+            "cu_seq_lens_q": boundaries(lengths, rows * width, positions.device)}
+    if ids is not None:
+        flat["input_ids"] = ids.reshape(1, -1)
+    if embeds is not None:
+        flat["inputs_embeds"] = embeds.reshape(1, rows * width, -1)
+    return flat, rows
 
 
 def _laid_out(input_ids, inputs_embeds, labels, lengths, length, bins, width, one_row_lengths=None) -> Packed:

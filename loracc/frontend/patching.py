@@ -16,6 +16,8 @@ import warnings
 import torch
 from torch import nn
 
+from . import packing, varlen_attention
+
 
 class CompiledForward:
     """A ``forward`` loracc installed on a module (``loracc.uncompile`` takes it away)."""
@@ -54,7 +56,7 @@ def patch_use_cache(state, owner: nn.Module) -> None:
         return
     if "use_cache" not in signature.parameters or owner in state.patched:
         return
-    patch(state, owner, _NoCacheInTraining(owner))
+    patch(state, owner, _NoCacheInTraining(owner, state.regions))
 
 
 class _NoCacheInTraining(CompiledForward):
@@ -62,17 +64,30 @@ class _NoCacheInTraining(CompiledForward):
     layers get no KV cache (a cache is state the compiled graphs cannot update) — except for a call
     whose numbers the cache changes (``cache_changes_the_mask``): that call runs eagerly.
 
+    A training call of rows already packed (position ids, no attention mask, no cache:
+    ``DataCollatorWithFlattening``, TRL's padding-free batches) runs as one row with its sequences'
+    boundaries (``packing.flatten_call``, ``varlen_attention``); its hidden states are handed back
+    in the rows as given, so the caller's head and loss (loracc's, TRL's, the model's own) see the
+    same rows.
+
     A decoder that calls one of its layers more than once in a forward (recurrent depth: a later
     pass may read the keys an earlier one cached) is not given ``use_cache=False`` when its config
     turns the cache on: the first training call counts the layers' calls, and a decoder found to
     repeat them runs eagerly from then on, with a warning (the first call is run again, eagerly)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, regions: list | None = None):
         self.module = module
         self.repeats_layers: bool | None = None  # None until the first training call with the cache on
+        self.regions = regions if regions is not None else []  # the model's: ``explain`` notes go to its first block
+        self.flattening = False  # packed rows ran as one row
 
     def __call__(self, *args, **kwargs):
         forward = type(self.module).forward
+        if self.module.training and torch.is_grad_enabled():
+            call = bound_call(self.module, args, kwargs)
+            flat = packing.flatten_call(self.module, call) if call is not None else None
+            if flat is not None:
+                return self._one_row(forward, *flat)
         if self.module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
             call = bound_call(self.module, args, kwargs)
             if call is not None and call.get("use_cache") is not None:
@@ -106,6 +121,23 @@ class _NoCacheInTraining(CompiledForward):
                     return forward(self.module, *args, **kwargs)
             kwargs["use_cache"] = False
         return forward(self.module, *args, **kwargs)
+
+    def _one_row(self, forward, call: dict, rows: int):
+        """The decoder run on its packed rows laid end to end (``call``), its hidden states handed
+        back as ``rows`` rows."""
+        varlen_attention.install(self.module.config)
+        if not self.flattening:
+            self.flattening = True
+            block = next((r for r in self.regions if r.kind == "block"), None)
+            if block is not None:
+                block.notes.append(
+                    "packed rows (position ids, no attention mask) run as one row, each sequence attended alone by "
+                    + varlen_attention.attended_by(call["position_ids"].device)
+                    + " (frontend.packing.flatten_call, frontend.varlen_attention)")
+        outputs = forward(self.module, **call)
+        hidden = outputs.last_hidden_state
+        outputs.last_hidden_state = hidden.reshape(rows, hidden.shape[1] // rows, *hidden.shape[2:])
+        return outputs
 
     @property
     def __signature__(self):

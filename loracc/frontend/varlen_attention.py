@@ -23,6 +23,7 @@ symbolic program serves every packing with the same number of boundary slots.
 """
 from __future__ import annotations
 
+import contextvars
 import sys
 
 import torch
@@ -32,6 +33,12 @@ from ..errors import LoraccError
 
 NAME = "loracc_packed"
 MIN_SLOTS = 16  # boundary slots (sequences) a packed row has at least: ``slots``
+# Set while a call whose rows loracc laid out itself runs (``HeadForward``'s packed batches): the
+# decoder's own call keeps them (``packing.flatten_call``).
+LAID_OUT = contextvars.ContextVar("loracc_laid_out", default=False)
+# Boundaries and lengths a collator may pass for transformers' flash-attention path; one row's
+# call replaces them with its own (``packing.flatten_call``).
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def slots(sequences: int) -> int:
@@ -75,6 +82,27 @@ def install(config) -> None:
     if own_mask is not None:  # else transformers builds no mask, as for the own implementation
         AttentionMaskInterface.register(name, own_mask)
     config._attn_implementation = name
+
+
+def one_row_applies(config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed sequences go into one row with their boundaries: on the CPU (``attention``
+    runs the block-diagonal mask there), and on a CUDA device where the flash kernel computes every
+    layer's attention (compute capability 8.0 or later, bf16; no softcap, sliding window or
+    attention dropout in ``config``). Elsewhere ``attention`` would need a mask over the whole row."""
+    if device.type == "cpu":
+        return True
+    if (device.type != "cuda" or dtype != torch.bfloat16 or getattr(config, "attn_logit_softcapping", None)
+            or getattr(config, "attention_dropout", 0.0) or torch.cuda.get_device_capability(device) < (8, 0)):
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return not any("sliding" in t for t in types)
+    return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
+
+def attended_by(device: torch.device) -> str:
+    """How ``attention`` attends each packed sequence on ``device`` where one row applies, for ``explain``."""
+    return "flash-attention's variable-length kernel" if device.type == "cuda" else "a block-diagonal causal mask"
 
 
 def flash_applies(query: Tensor, dropout: float, sliding_window, softcap) -> bool:
