@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import loracc
-from loracc.frontend.packing import PACKABLE, first_fit_decreasing, pack, row_width
+from loracc.frontend.packing import PACKABLE, first_fit_decreasing, pack
 from conftest import rel_err
 
 pytest.importorskip("peft")
@@ -32,18 +32,11 @@ def test_first_fit_decreasing_fills_each_bin_up_to_its_width():
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 5]
 
 
-def test_rows_are_two_widths_an_octave_wide_enough_for_the_longest_sequence():
-    widths = [row_width(n) for n in range(1, 5000)]
-    assert sorted(set(widths)) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
-                                   4096, 6144]
-    assert all(w >= n and (w == 8 or w < 1.5 * n) for n, w in zip(range(1, 5000), widths))
-
-
 def test_pack_lays_each_row_end_to_end_with_its_own_positions_and_labels():
     batch = _right_padded([5, 2, 3], width=6)
     batch["labels"][0, 1] = -100  # a prompt token the collator masked: stays masked
     packed = pack(batch["input_ids"], batch["attention_mask"], None, batch["labels"])
-    assert (packed.rows, packed.width) == (2, 8)  # row_width(5) = 8: [5 + 3], [2 + filler]
+    assert (packed.rows, packed.width) == (2, 8)  # bucket(5) = 8: [5 + 3], [2 + filler]
     ids, labels = batch["input_ids"], batch["labels"]
     assert packed.input_ids[0].tolist() == ids[0, :5].tolist() + ids[2, :3].tolist()
     assert packed.input_ids[1, :2].tolist() == ids[1, :2].tolist()
@@ -55,10 +48,9 @@ def test_pack_lays_each_row_end_to_end_with_its_own_positions_and_labels():
 
 def test_pack_never_makes_one_row_of_several():
     """Several rows always pack into at least two: a symbolic program specialises a size of 1."""
-    batch = _right_padded([9, 2, 1], width=12)
+    batch = _right_padded([9, 3, 2], width=12)
     packed = pack(batch["input_ids"], batch["attention_mask"], None, batch["labels"])
-    assert (packed.rows, packed.width) == (2, 12)  # all fit one row of row_width(9) = 12: split as [9 + 2], [1]
-    assert packed.position_ids.tolist() == [[*range(9), 0, 1, 0], [0, *range(11)]]
+    assert (packed.rows, packed.width) == (2, 16)  # all fit one row of bucket(9) = 16: split as [9 + 3], [2]
     batch = _right_padded([2, 1, 1], width=8)
     packed = pack(batch["input_ids"], batch["attention_mask"], None, batch["labels"])
     assert packed.rows == 2 and packed.position_ids.tolist() == [[0, 1, 0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 3, 4, 5, 6]]
@@ -145,7 +137,7 @@ def test_once_batches_ran_packed_every_batch_keeps_the_layout_and_the_one_progra
     assert block.captures == 1 and not block.recompile_reasons, block.recompile_reasons
     batch = batches[1]
     always = pack(batch["input_ids"], batch["attention_mask"], None, batch["labels"], always=True)
-    assert (always.rows, always.width) == (3, 12) and always.position_ids[:, 10:].tolist() == [[0, 1]] * 3
+    assert (always.rows, always.width) == (3, 16) and always.position_ids[:, 10:].tolist() == [list(range(6))] * 3
 
 
 def test_inputs_embeds_are_packed_too():

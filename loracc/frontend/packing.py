@@ -8,7 +8,7 @@ positions it had (0, 1, ...), with ``position_ids`` and no attention mask:
 - ``one_row``: into one row of ``one_row_width(real tokens)``, with the sequences' boundaries
   (``Packed.cu_seq_lens``), which an attention that reads them (``frontend.varlen_attention``)
   attends one by one;
-- otherwise: into rows of ``row_width(longest)`` tokens (first-fit decreasing), the layout of
+- otherwise: into rows of ``length_bucket(longest)`` tokens (first-fit decreasing), the layout of
   ``DataCollatorWithFlattening``, in which transformers' mask functions let each token attend only
   to the earlier tokens of its own sequence.
 
@@ -72,17 +72,6 @@ def length_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
-def row_width(length: int) -> int:
-    """The width of the rows a batch whose longest sequence has ``length`` tokens packs into: the
-    next power of two or one and a half times a power of two (at least 8), two widths per octave.
-    Packed rows fill up to their width, so a coarse width adds little padding, and the sizes of
-    the packed batches repeat: a size seen before replays its CUDA graphs (decision 036)."""
-    width = 8
-    while width < length:
-        width = width * 3 // 2 if width & (width - 1) == 0 else width // 3 * 4
-    return width
-
-
 def one_row_width(tokens: int) -> int:
     """The width of the one row a batch of ``tokens`` real tokens packs into, where attention reads
     the sequences' boundaries (``pack(one_row=True)``): the next multiple of a quarter of the power
@@ -137,7 +126,7 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
         members = [i for i, n in enumerate(lengths) if n > 0]
         return _laid_out(input_ids, inputs_embeds, labels, lengths, length, [members], one_row_width(sum(lengths)),
                          [lengths[i] for i in members])
-    width = row_width(max(lengths))
+    width = length_bucket(max(lengths))
     bins = first_fit_decreasing(lengths, width)
     if len(bins) == 1 and rows > 1:
         # Never one row from several: a symbolic program traced with several rows does not admit
@@ -147,7 +136,7 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
                 return None
             bins.append([])  # a row of filler
         else:
-            width = row_width(max(max(lengths), -(-sum(lengths) // 2)))
+            width = length_bucket(max(max(lengths), -(-sum(lengths) // 2)))
             bins = first_fit_decreasing(lengths, width)
             if len(bins) == 1:
                 bins = [bins[0][:-1], bins[0][-1:]]
@@ -164,10 +153,10 @@ def flatten_call(decoder, call: dict) -> tuple[dict, int] | None:
     cache, hidden states or attentions asked for, rows loracc laid out itself (``LAID_OUT``), or an
     attention that would need a mask over the whole row (``varlen_attention.one_row_applies``).
     Boundaries a collator passed for transformers' flash-attention path (``FLASH_KWARGS``, TRL's)
-    are replaced by these. A sequence starts at each
-    row's start and wherever a position is not the one before plus one: where transformers' mask
-    (``find_packed_sequence_indices``) starts one. Each row's loss is the head's, on the rows as
-    given. Reads the boundaries on the host (one sync)."""
+    are replaced by these. A sequence starts at each row's start and wherever a position is not
+    the one before plus one: where transformers' mask (``find_packed_sequence_indices``) starts
+    one. Each row's loss is the head's, on the rows as given. Reads the boundaries on the host (one
+    sync)."""
     config = getattr(decoder, "config", None)
     positions, ids, embeds = call.get("position_ids"), call.get("input_ids"), call.get("inputs_embeds")
     use_cache = call.get("use_cache")
