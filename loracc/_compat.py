@@ -290,3 +290,13 @@ def autocast_off():
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
+
+
+def flash_attention_varlen(query, key, value, cu_seq_lens, max_len, scale):
+    """Causal flash attention over packed sequences: ``query``/``key``/``value`` ``[tokens, heads,
+    dim]`` (as many key/value heads as query heads), ``cu_seq_lens`` int32 boundaries (0, the end of
+    each sequence, ...), ``max_len`` at least the longest sequence. Differentiable (ATen's flash
+    backward); CUDA only. Returns ``[tokens, heads, dim]``."""
+    return torch.ops.aten._flash_attention_forward(
+        query=query, key=key, value=value, cum_seq_q=cu_seq_lens, cum_seq_k=cu_seq_lens, max_q=max_len, max_k=max_len,
+        dropout_p=0.0, is_causal=True, return_debug_mask=False, scale=scale)[0]

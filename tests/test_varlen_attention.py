@@ -211,3 +211,13 @@ def test_packed_rows_train_as_one_row_with_eagers_numbers():
         _assert_same_training(eager, compiled, {"input_ids": ids, "position_ids": positions, "labels": labels,
                                                 "use_cache": False})
     assert "packed rows (position ids, no attention mask) run as one row" in str(loracc.explain(compiled))
+
+
+def test_the_flash_wrapper_binds_atens_arguments_by_name():
+    """``_compat.flash_attention_varlen`` calls ATen's op with keyword arguments: on meta tensors
+    (its shape function, no kernel) the names bind and the output has the query's shape."""
+    from loracc import _compat
+
+    q = torch.empty(20, 4, 16, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(17, device="meta", dtype=torch.int32)
+    assert _compat.flash_attention_varlen(q, q, q, cu, 20, 0.25).shape == (20, 4, 16)

@@ -444,9 +444,7 @@ class HeadForward(CompiledForward):
     def _one_row(self, device: torch.device) -> bool:
         """Whether packed batches go into one row whose attention reads the sequences' boundaries
         (``varlen_attention.one_row_applies``); else rows of the longest's width."""
-        on = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if on else self.lm.lm_head.weight.dtype
-        return varlen_attention.one_row_applies(self.lm.config, device, dtype)
+        return varlen_attention.one_row_applies(self.lm.config, device, self._dtype(device))
 
     def _first_call(self, call: dict) -> None:
         """At the first call with a 2-D attention mask and no position ids: remember its length, and
@@ -465,8 +463,11 @@ class HeadForward(CompiledForward):
 
     def _fp16(self, device: torch.device) -> bool:
         """Whether the head computes in fp16 (where it keeps the eager path and returns logits)."""
-        on = torch.is_autocast_enabled(device.type)
-        return (torch.get_autocast_dtype(device.type) if on else self.lm.lm_head.weight.dtype) == torch.float16
+        return self._dtype(device) == torch.float16
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the head computes in on ``device``."""
+        return varlen_attention.compute_dtype(device, self.lm.lm_head.weight.dtype)
 
     def _bucketed(self, input_ids, attention_mask, position_ids, inputs_embeds, labels):
         """The batch padded on the right to ``length_bucket`` (see the class), or as given: a batch

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .varlen_attention import FLASH_KWARGS, LAID_OUT, boundaries, one_row_applies
+from .varlen_attention import FLASH_KWARGS, LAID_OUT, boundaries, compute_dtype, one_row_applies
 
 # Families whose packed batches give the padded batch's numbers (tests/test_packing.py checks each).
 PACKABLE = frozenset({
@@ -170,8 +170,7 @@ def flatten_call(decoder, call: dict) -> tuple[dict, int] | None:
         or tokens is None or tuple(tokens.shape[:2]) != tuple(positions.shape)
     ):
         return None
-    on = torch.is_autocast_enabled(positions.device.type)
-    dtype = torch.get_autocast_dtype(positions.device.type) if on else decoder.get_input_embeddings().weight.dtype
+    dtype = compute_dtype(positions.device, decoder.get_input_embeddings().weight.dtype)
     if not one_row_applies(config, positions.device, dtype):
         return None
     rows, width = positions.shape

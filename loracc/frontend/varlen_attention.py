@@ -8,7 +8,7 @@ registered with transformers, whose attention function (``attention``) decides b
 alone (a checkpoint's recompute decides the same):
 
 - given boundaries, on a CUDA device, in bf16 or fp16, without dropout, softcap or sliding window:
-  flash-attention's variable-length kernel (``aten._flash_attention_forward``, causal): each query
+  flash-attention's variable-length kernel (``_compat.flash_attention_varlen``, causal): each query
   block reads only the keys of its own sequence, so the cost is that of each sequence alone;
 - given boundaries otherwise (the CPU, fp32, a sliding window, softcap, dropout): the model's own
   implementation with the block-diagonal causal mask the boundaries describe;
@@ -29,6 +29,7 @@ import sys
 import torch
 from torch import Tensor
 
+from .. import _compat
 from ..errors import LoraccError
 
 NAME = "loracc_packed"
@@ -78,26 +79,36 @@ def install(config) -> None:
         return
     name = f"{NAME}|{current}"
     AttentionInterface.register(name, attention)
-    own_mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(current)
+    own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(current)
     if own_mask is not None:  # else transformers builds no mask, as for the own implementation
         AttentionMaskInterface.register(name, own_mask)
     config._attn_implementation = name
 
 
+def compute_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a call on ``device`` computes in: autocast's where it is on, else the weights'."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_dtype
+
+
 def one_row_applies(config, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed sequences go into one row with their boundaries: on the CPU (``attention``
     runs the block-diagonal mask there), and on a CUDA device where the flash kernel computes every
-    layer's attention (compute capability 8.0 or later, bf16; no softcap, sliding window or
-    attention dropout in ``config``). Elsewhere ``attention`` would need a mask over the whole row."""
+    layer's attention (``_flash_device``, bf16; no softcap, sliding window or attention dropout in
+    ``config``). Elsewhere ``attention`` would need a mask over the whole row."""
     if device.type == "cpu":
         return True
-    if (device.type != "cuda" or dtype != torch.bfloat16 or getattr(config, "attn_logit_softcapping", None)
-            or getattr(config, "attention_dropout", 0.0) or torch.cuda.get_device_capability(device) < (8, 0)):
+    if (not _flash_device(device) or dtype != torch.bfloat16 or getattr(config, "attn_logit_softcapping", None)
+            or getattr(config, "attention_dropout", 0.0)):
         return False
     types = getattr(config, "layer_types", None)
     if types is not None:
         return not any("sliding" in t for t in types)
     return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
+
+def _flash_device(device: torch.device) -> bool:
+    """A CUDA device with flash attention's kernels: compute capability 8.0 or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def attended_by(device: torch.device) -> str:
@@ -109,9 +120,8 @@ def flash_applies(query: Tensor, dropout: float, sliding_window, softcap) -> boo
     """Whether flash-attention's variable-length kernel computes this call: a CUDA tensor in
     bf16/fp16 on a GPU of compute capability 8.0 or later, head size a multiple of 8 up to 256, no
     dropout, sliding window or softcap."""
-    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] % 8 == 0
-            and query.shape[-1] <= 256 and not dropout and sliding_window is None and softcap is None
-            and torch.cuda.get_device_capability(query.device) >= (8, 0))
+    return (_flash_device(query.device) and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 256 and not dropout and sliding_window is None and softcap is None)
 
 
 def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
@@ -143,7 +153,7 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
 def _own_attention(module):
     """The attention function of the model's own implementation (``install`` kept its name): its
     family's ``eager_attention_forward`` for "eager", else transformers' registered one."""
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = module.config._attn_implementation
     own = name.split("|", 1)[1] if name and name.startswith(NAME + "|") else name
@@ -152,7 +162,7 @@ def _own_attention(module):
         if eager is None:
             raise LoraccError(f"attention {NAME!r}: {type(module).__name__}'s module defines no eager_attention_forward")
         return eager
-    return AttentionInterface._global_mapping[own]
+    return ALL_ATTENTION_FUNCTIONS[own]
 
 
 def _flash(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float | None) -> Tensor:
@@ -161,8 +171,7 @@ def _flash(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
-    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, tokens, tokens, 0.0, True, False, scale=scaling)[0]
-    return out.unsqueeze(0)
+    return _compat.flash_attention_varlen(q, k, v, cu, tokens, scaling).unsqueeze(0)
 
 
 def _block_causal_mask(cu: Tensor, tokens: int, sliding_window: int | None) -> Tensor:
