@@ -24,16 +24,35 @@ def test_arena_views_do_not_overlap_and_keep_each_layout():
     assert all(bool((v == 1).all()) for v in views)
 
 
-def test_arena_grows_and_drops_the_graphs_over_the_old_buffer():
+def test_arena_grows_by_doubling_and_keeps_the_graphs_over_the_old_buffer():
+    arena = Arena()
+    graphs = SizedGraphs(lambda x: (x,), "stage", arena, SharedPool())
+    (first,) = arena.views([((100,), (1,), torch.float32)], torch.device("cpu"))
+    small, old = arena.nbytes, arena.buffer
+    graphs.graphs["old"] = object()
+    arena.views([((2,), (1,), torch.float32)], torch.device("cpu"))
+    assert arena.nbytes == small and arena.buffer is old  # fits: the same buffer
+    arena.views([((150,), (1,), torch.float32)], torch.device("cpu"))
+    assert arena.nbytes == 2 * small and graphs.graphs  # at least twice as large; nothing dropped
+    assert first.untyped_storage().data_ptr() == old.data_ptr()  # the old views still hold the old buffer
+    arena.views([((5000,), (1,), torch.float32)], torch.device("cpu"))
+    assert arena.nbytes >= 20000 and graphs.graphs
+    # Every buffer at least doubles: all of them together stay under twice the newest.
+    sizes, arena = [], Arena()
+    for n in (3, 70, 100, 150, 900, 1000, 5000):
+        arena.views([((n,), (1,), torch.float32)], torch.device("cpu"))
+        if not sizes or arena.nbytes != sizes[-1]:
+            sizes.append(arena.nbytes)
+    assert all(b >= 2 * a for a, b in zip(sizes, sizes[1:])) and sum(sizes) < 2 * sizes[-1]
+
+
+def test_arena_on_another_device_drops_every_graph():
     arena = Arena()
     graphs = SizedGraphs(lambda x: (x,), "stage", arena, SharedPool())
     arena.views([((4,), (1,), torch.float32)], torch.device("cpu"))
-    small = arena.nbytes
-    graphs.graphs["old"] = object()
-    arena.views([((2,), (1,), torch.float32)], torch.device("cpu"))
-    assert arena.nbytes == small and graphs.graphs  # fits: nothing dropped
-    arena.views([((1000,), (1,), torch.float32)], torch.device("cpu"))
-    assert arena.nbytes >= 4000 and not graphs.graphs
+    graphs.graphs["cpu"] = object()
+    arena.views([((4,), (1,), torch.float32)], torch.device("meta"))
+    assert arena.buffer.device.type == "meta" and not graphs.graphs
 
 
 def test_calls_off_the_gpu_run_from_python():
@@ -80,19 +99,20 @@ def test_each_size_is_captured_at_its_second_call_and_replays_the_python_results
 
 
 @cuda
-def test_a_larger_size_grows_the_arena_and_smaller_sizes_are_captured_again():
+def test_a_larger_size_grows_the_arena_and_smaller_sizes_keep_their_graphs():
     arena, pool = Arena(), SharedPool()
     graphs = SizedGraphs(lambda x: (x.exp(),), "stage", arena, pool)
     small, large = torch.randn(16, device="cuda"), torch.randn(4096, device="cuda")
     for x in (small, small, small):
         torch.testing.assert_close(graphs(x)[0], x.exp())
     assert graphs.captures == 1
+    first_buffer = arena.buffer
     for x in (large, large):
         torch.testing.assert_close(graphs(x)[0], x.exp())
-    assert graphs.captures == 2 and len(graphs.graphs) == 1  # the small size's graph went with the old arena
-    for x in (small, small):
+    assert graphs.captures == 2 and len(graphs.graphs) == 2 and arena.buffer is not first_buffer
+    for x in (small, small, torch.randn(16, device="cuda")):  # replays over the old buffer, fresh values too
         torch.testing.assert_close(graphs(x)[0], x.exp())
-    assert graphs.captures == 3
+    assert graphs.captures == 2 and graphs.replays == 5
 
 
 @cuda

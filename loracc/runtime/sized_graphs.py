@@ -16,10 +16,11 @@ Invariants:
 
 - The static buffers of every size are views into one ``Arena`` per device: graphs replay one at a
   time, and a call copies its inputs in right before and its outputs out right after its replay, so
-  one arena as large as the largest size needs serves all of them. When a size needs more than the
-  arena holds, a larger one (at least 1.5 times as large) replaces it and every graph over the old
-  one is dropped (captured again when its size comes back): memory does not grow with the number of
-  sizes.
+  one buffer as large as the largest size needs serves all of them. When a size needs more than the
+  buffer holds, a larger one (at least twice as large) takes its place for the sizes that come next;
+  the graphs over the old one keep it (each keeps what it views alive) until they are dropped, so a
+  late long batch does not send every size back to a capture. The buffers at least double each time,
+  so those held together stay under twice the newest: memory does not grow with the number of sizes.
 - Every graph's temporaries are allocated in one ``SharedPool`` of its own (never the per-layer
   graphs' pool, whose lent outputs a replay here must not overwrite): dead when a graph returns,
   so the workspaces of all sizes overlap.
@@ -53,20 +54,22 @@ class Arena:
         return 0 if self.buffer is None else self.buffer.numel()
 
     def views(self, specs: list, device: torch.device) -> list[torch.Tensor]:
-        """A view of the arena for each ``(shape, stride, dtype)`` in ``specs``, none overlapping
-        another; the arena grows first (dropping every graph over it) if they do not fit, or moves
-        to ``device``."""
+        """A view of the arena's buffer for each ``(shape, stride, dtype)`` in ``specs``, none
+        overlapping another; a larger buffer takes the place of the current one first if they do not
+        fit (see the module's docstring), a new one if the arena moves to ``device`` (every graph over
+        the old device's dropped)."""
         spans = [_span_bytes(*spec) for spec in specs]
         offsets, end = [], 0
         for span in spans:
             offsets.append(end)
             end += -(-span // ALIGN) * ALIGN
-        if self.buffer is None or end > self.nbytes or self.buffer.device != device:
+        if self.buffer is not None and self.buffer.device != device:
             for user in list(self.users):
                 user.drop_all()
-            old, self.buffer = self.nbytes, None  # freed before the larger one is allocated
-            # With headroom: sizes come in any order, and each growth drops every graph.
-            self.buffer = torch.empty(max(end, old * 3 // 2), dtype=torch.uint8, device=device)
+            self.buffer = None
+        if self.buffer is None or end > self.nbytes:
+            # The graphs over the old buffer keep it; doubling bounds all buffers held to twice the newest.
+            self.buffer = torch.empty(max(end, 2 * self.nbytes), dtype=torch.uint8, device=device)
         return [self.buffer[o:o + span].view(dtype).as_strided(shape, stride)
                 for o, span, (shape, stride, dtype) in zip(offsets, spans, specs)]
 
@@ -77,14 +80,20 @@ class _SizeGraph:
     def __init__(self, graph, static_inputs, out_views, outputs_plan):
         self.graph, self.static_inputs, self.out_views, self.outputs_plan = graph, static_inputs, out_views, outputs_plan
         self.seq = 0  # set by the pool (SharedPool.added)
-        self.in_groups = copy_groups(static_inputs)
-        self.out_groups = copy_groups(out_views)
+        # The buffers' side of each copy is fixed: bound once, not at every call.
+        self.copies_in = bound_groups(static_inputs)
+        self.copies_out = bound_groups(out_views)
+        self.out_layouts = [(v.shape, v.stride(), v.dtype) for v in out_views]
 
     def __call__(self, inputs):
-        grouped_copy(self.in_groups, self.static_inputs, inputs)
+        for one_by_one, indices, buffers in self.copies_in:
+            _copy(one_by_one, buffers, [inputs[i] for i in indices])
         self.graph.replay()
-        copies = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in self.out_views]
-        grouped_copy(self.out_groups, copies, self.out_views)
+        device = self.static_inputs[0].device
+        copies = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                  for shape, stride, dtype in self.out_layouts]
+        for one_by_one, indices, buffers in self.copies_out:
+            _copy(one_by_one, [copies[i] for i in indices], buffers)
         results, it = [], iter(copies)
         for kind, value in self.outputs_plan:
             if kind == "copy":
@@ -131,7 +140,7 @@ class SizedGraphs:
         if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             self.python_calls += 1
             return self.fn(*inputs)
-        key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs)
+        key = tuple([(t.shape, t.stride(), t.dtype) for t in inputs])
         graph = self.graphs.get(key)
         if graph is None:
             seen = self.seen.get(key)
@@ -231,11 +240,29 @@ def copy_groups(tensors: list) -> list[list[int]]:
 def grouped_copy(groups: list[list], dsts, srcs) -> None:
     """``dsts[i].copy_(srcs[i])`` for every index of ``groups`` (``copy_groups`` of ``dsts``)."""
     for group in groups:
-        if group[0] is None:
-            for i in group[1:]:
-                dsts[i].copy_(srcs[i])
-        else:
-            torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group])
+        one_by_one = group[0] is None
+        indices = group[1:] if one_by_one else group
+        _copy(one_by_one, [dsts[i] for i in indices], [srcs[i] for i in indices])
+
+
+def bound_groups(tensors: list) -> list[tuple[bool, list[int], list]]:
+    """``copy_groups(tensors)`` with the tensors themselves: ``(one_by_one, indices, tensors at
+    them)`` a group, for copies whose one side is always ``tensors``."""
+    bound = []
+    for group in copy_groups(tensors):
+        one_by_one = group[0] is None
+        indices = group[1:] if one_by_one else group
+        bound.append((one_by_one, indices, [tensors[i] for i in indices]))
+    return bound
+
+
+def _copy(one_by_one: bool, dsts: list, srcs: list) -> None:
+    """``dsts[i].copy_(srcs[i])`` for each ``i``: one multi-tensor copy, or one copy each."""
+    if one_by_one:
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+    else:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _outputs_plan(outputs, inputs) -> tuple[list, list]:
