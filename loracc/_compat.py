@@ -300,3 +300,18 @@ def flash_attention_varlen(query, key, value, cu_seq_lens, max_len, scale):
     return torch.ops.aten._flash_attention_forward(
         query=query, key=key, value=value, cum_seq_q=cu_seq_lens, cum_seq_k=cu_seq_lens, max_q=max_len, max_k=max_len,
         dropout_p=0.0, is_causal=True, return_debug_mask=False, scale=scale)[0]
+
+
+def release_generators_after_failed_capture(device: torch.device) -> None:
+    """Make the device's default random generator usable again after a CUDA graph capture failed.
+
+    A capture registers the generator (marks it capturing); when the capture fails, torch's
+    ``capture_end`` raises before it releases it (torch 2.11, 2.13), and every random op outside a
+    capture then fails with "Offset increment outside graph capture encountered unexpectedly"
+    (dropout in the next eager layer, say). A copy of its state (same seed and offset, not
+    capturing) put in its place releases it; the random stream goes on where it was."""
+    if not torch.cuda.is_available():  # no capture ran
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())

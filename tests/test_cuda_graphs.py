@@ -692,3 +692,18 @@ def test_a_backward_whose_weights_moved_runs_from_python_with_the_same_gradients
     (region,) = graphed._loracc.regions
     backward = region.latest.backward
     assert backward.kept and backward.moved_inputs > 0
+
+
+@gpu
+def test_a_failed_capture_leaves_the_random_generator_usable():
+    """A capture that fails (a host sync inside) must not leave the device's generator marked as
+    capturing: random ops after it (dropout in an eager layer) run, and draw as before."""
+    from loracc.runtime.cuda_graphs import Replayer
+
+    replayer = Replayer(lambda x: (x * float(x.sum()),), "forward graph", mode="on")
+    x = torch.randn(8, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(replayer(x)[0], x * float(x.sum()))
+    assert replayer.failed
+    mask = torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5) != 0
+    assert 300 < int(mask.sum()) < 700

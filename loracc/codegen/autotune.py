@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .. import _compat
 from . import cache
 
 log = logging.getLogger("loracc")
@@ -144,5 +145,6 @@ def _captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
     if failure is not None:
         log.debug("autotune: could not capture a candidate (%s); timing it from Python", failure)
         torch.cuda.synchronize()
+        _compat.release_generators_after_failed_capture(torch.device("cuda"))
         return None
     return graph

@@ -407,6 +407,7 @@ class Replayer:
                               lend_from=self.lend_from if key is not None else None, side=self.pool.warm_up_stream())
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
             self.failed = f"{type(exc).__name__}: {exc}"
+            _compat.release_generators_after_failed_capture(torch.device("cuda"))
             return None
         self.pool.added(graphed)
         if key is None:

@@ -174,6 +174,7 @@ class SizedGraphs:
             log.info("loracc: %s at sizes %s runs from Python: the capture failed (%s)",
                      self.name, [list(s) for s, _, _ in key], self.failed[key])
             torch.cuda.synchronize()
+            _compat.release_generators_after_failed_capture(torch.device("cuda"))
             return None
         self.captures += 1
         self.graphs[key] = graph
