@@ -77,20 +77,19 @@ class Arena:
 class _SizeGraph:
     """One captured graph: its static inputs, where its outputs go, and how to hand them back."""
 
-    def __init__(self, graph, static_inputs, out_views, outputs_plan):
-        self.graph, self.static_inputs, self.out_views, self.outputs_plan = graph, static_inputs, out_views, outputs_plan
+    def __init__(self, graph, copies_in, out_views, outputs_plan, device: torch.device):
+        """``copies_in``: ``bound_groups`` of the static inputs (which it keeps alive), ``out_views``:
+        where the graph writes the outputs it hands back as copies."""
+        self.graph, self.copies_in, self.outputs_plan, self.device = graph, copies_in, outputs_plan, device
         self.seq = 0  # set by the pool (SharedPool.added)
         # The buffers' side of each copy is fixed: bound once, not at every call.
-        self.copies_in = bound_groups(static_inputs)
         self.copies_out = bound_groups(out_views)
         self.out_layouts = [(v.shape, v.stride(), v.dtype) for v in out_views]
 
     def __call__(self, inputs):
-        for one_by_one, indices, buffers in self.copies_in:
-            _copy(one_by_one, buffers, [inputs[i] for i in indices])
+        copy_into(self.copies_in, inputs)
         self.graph.replay()
-        device = self.static_inputs[0].device
-        copies = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        copies = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
                   for shape, stride, dtype in self.out_layouts]
         for one_by_one, indices, buffers in self.copies_out:
             _copy(one_by_one, [copies[i] for i in indices], buffers)
@@ -190,7 +189,8 @@ class SizedGraphs:
         in_specs = [(tuple(t.shape), t.stride(), t.dtype) for t in inputs]
         views = self.arena.views(in_specs + out_specs, inputs[0].device)
         static_inputs, out_views = views[: len(inputs)], views[len(inputs):]
-        grouped_copy(copy_groups(static_inputs), static_inputs, inputs)
+        copies_in = bound_groups(static_inputs)
+        copy_into(copies_in, inputs)
         copied = [j for j, (kind, _) in enumerate(plan) if kind == "copy"]
         stream = self.pool.warm_up_stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -213,7 +213,7 @@ class SizedGraphs:
                 raise
             graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
-        sized = _SizeGraph(graph, static_inputs, out_views, plan)
+        sized = _SizeGraph(graph, copies_in, out_views, plan, inputs[0].device)
         self.pool.added(sized)
         return sized
 
@@ -241,8 +241,7 @@ def copy_groups(tensors: list) -> list[list[int]]:
 def grouped_copy(groups: list[list], dsts, srcs) -> None:
     """``dsts[i].copy_(srcs[i])`` for every index of ``groups`` (``copy_groups`` of ``dsts``)."""
     for group in groups:
-        one_by_one = group[0] is None
-        indices = group[1:] if one_by_one else group
+        one_by_one, indices = _split(group)
         _copy(one_by_one, [dsts[i] for i in indices], [srcs[i] for i in indices])
 
 
@@ -251,10 +250,21 @@ def bound_groups(tensors: list) -> list[tuple[bool, list[int], list]]:
     them)`` a group, for copies whose one side is always ``tensors``."""
     bound = []
     for group in copy_groups(tensors):
-        one_by_one = group[0] is None
-        indices = group[1:] if one_by_one else group
+        one_by_one, indices = _split(group)
         bound.append((one_by_one, indices, [tensors[i] for i in indices]))
     return bound
+
+
+def copy_into(bound: list, srcs: list) -> None:
+    """``tensors[i].copy_(srcs[i])`` for the tensors ``bound`` (``bound_groups(tensors)``)."""
+    for one_by_one, indices, buffers in bound:
+        _copy(one_by_one, buffers, [srcs[i] for i in indices])
+
+
+def _split(group: list) -> tuple[bool, list[int]]:
+    """A group of ``copy_groups``: whether its tensors are copied one by one, and their indices."""
+    one_by_one = group[0] is None
+    return one_by_one, (group[1:] if one_by_one else group)
 
 
 def _copy(one_by_one: bool, dsts: list, srcs: list) -> None:
