@@ -83,13 +83,13 @@ class _NoCacheInTraining(CompiledForward):
 
     def __call__(self, *args, **kwargs):
         forward = type(self.module).forward
-        if self.module.training and torch.is_grad_enabled():
-            call = bound_call(self.module, args, kwargs)
-            flat = packing.flatten_call(self.module, call) if call is not None else None
+        training = self.module.training and torch.is_grad_enabled()
+        call = bound_call(self.module, args, kwargs) if training else None
+        if call is not None:
+            flat = packing.flatten_call(self.module, call)
             if flat is not None:
                 return self._one_row(forward, *flat)
-        if self.module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
-            call = bound_call(self.module, args, kwargs)
+        if training and kwargs.get("use_cache") is None:
             if call is not None and call.get("use_cache") is not None:
                 return forward(self.module, *args, **kwargs)  # passed positionally: the caller asked
             if call is not None and cache_changes_the_mask(self.module, call):
