@@ -80,6 +80,9 @@ def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
 
     shape_env = ShapeEnv(duck_shape=True)
     mode = FakeTensorMode(shape_env=shape_env)
+    # The fake mode's operator cache, for symbolic sizes, rebuilds each hit's outputs through symbol
+    # substitution: slower than running the meta kernel again (docs/decisions/038-symbolic-fakes-without-dispatch.md).
+    mode.cache_enabled = False
     free = {size for t, dims in zip(tensors, dynamic) for size, d in zip(t.shape, dims) if d}
 
     def context(t, dims):
@@ -183,13 +186,17 @@ def fake_tensor(mode, storage, shape, stride, offset: int, dtype: torch.dtype, d
 
 def symbolic_fake_tensor(mode, shape, stride, offset, dtype, device, requires_grad: bool):
     """A fake tensor of ``mode`` (one with a shape environment) whose sizes, strides and offset may be
-    symbolic: a storage of its own reaching its last element."""
-    with mode:
-        if isinstance(offset, int) and offset == 0:
-            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        else:
-            extent = offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
-            t = torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
+    symbolic: a storage of its own reaching its last element. Made from a meta tensor, as
+    ``fake_tensor`` does, not by dispatching ``empty_strided`` through the fake mode: that rebuilds
+    every symbolic size of the result through the mode's cache, several times the host time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(offset, int) and offset == 0:
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    else:
+        extent = offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+        meta = torch.empty(extent, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    t = FakeTensor(mode, meta, device)
     return t.requires_grad_(True) if requires_grad else t
 
 
