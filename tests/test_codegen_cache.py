@@ -241,3 +241,30 @@ def test_autotune_times_gpu_work_replayed_and_what_cannot_be_captured_from_pytho
     torch.cuda.synchronize()
     assert timings["launches"] < start.elapsed_time(end)  # replayed: no launch cost
     assert isinstance(timings["synchronizes"], float) and timings["fails"].startswith("failed: RuntimeError")
+
+
+def test_autotune_narrows_a_bucket_next_to_a_timed_one(monkeypatch):
+    """A new bucket of rows times only the candidates that came within NEIGHBOUR_SLACK of the
+    adjacent bucket's fastest (that one's choice always among them); a bucket with no timed
+    neighbour, or a computation of its own, times them all."""
+    fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
+    monkeypatch.setattr(cache, "environment", lambda device: fake_env)
+    timed_sets = []
+
+    def measure(candidates):
+        timed_sets.append(sorted(candidates))
+        return {"a": 1.0, "b": 1.2, "c": 2.0, "d": "failed: too much shared memory"}
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    candidates = {name: None for name in "abcd"}
+    cuda = torch.device("cuda")
+    assert autotune.choose({"op": "f", "kernel": "k", "rows": 1024}, candidates, cuda) == "a"
+    assert autotune.choose({"op": "f", "kernel": "k", "rows": 2048}, candidates, cuda) == "a"
+    assert autotune.choose({"op": "f", "kernel": "other", "rows": 2048}, candidates, cuda) == "a"
+    assert autotune.choose({"op": "f", "kernel": "k", "rows": 8192}, candidates, cuda) == "a"  # no neighbour at 4096 or 16384
+    assert timed_sets == [["a", "b", "c", "d"], ["a", "b"], ["a", "b", "c", "d"], ["a", "b", "c", "d"]]
+    # from the on-disk cache, in a new process: 512's neighbour 1024 was timed in the first one
+    monkeypatch.setattr(autotune, "_chosen", {})
+    monkeypatch.setattr(autotune, "decisions", {})
+    assert autotune.choose({"op": "f", "kernel": "k", "rows": 512}, candidates, cuda) == "a"
+    assert timed_sets[-1] == ["a", "b"]

@@ -7,7 +7,9 @@ timings, L2 flushed in between); the choice and every timing go to the on-disk c
 processes skip the timing. Each candidate is timed as a replayed CUDA graph where it can be
 captured: GPU time, what a layer replayed as a graph spends (a candidate of several small kernels
 launched from Python would otherwise be timed by its launches, not its work); it is timed as
-launched from Python where it cannot.
+launched from Python where it cannot. Shapes are tuned per bucket of rows; a bucket next to one
+already timed times only the candidates that came close to that one's fastest (``_narrowed``):
+a varying-length run meets its buckets one by one, each in a step of its own.
 Candidates must compute the same result (their tests check that against the reference); one that
 fails to compile or launch (too much shared memory for a config, say) is left out, with the error
 kept in the record. Under the Triton interpreter nothing is timed: the first candidate runs.
@@ -67,7 +69,7 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     elif device.type != "cuda":
         choice, source, record = next(iter(candidates)), "interpreter: first candidate, not timed", None
     else:
-        timings = measure(candidates)
+        timings = measure(_narrowed(description, candidates, device))
         timed = {name: t for name, t in timings.items() if isinstance(t, float)}
         if not timed:
             raise RuntimeError(f"loracc: no implementation of {description} ran: {timings}")
@@ -79,6 +81,34 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     decisions[memo_key] = {**description, "choice": choice, "source": source,
                            "timings_ms": (record or {}).get("timings_ms", {})}
     return choice
+
+
+# A shape bucket next to one already timed times again only the candidates that came within this
+# factor of that bucket's fastest (docs/decisions/038-symbolic-fakes-without-dispatch.md).
+NEIGHBOUR_SLACK = 1.25
+
+
+def _narrowed(description: dict, candidates: dict, device: torch.device) -> dict:
+    """``candidates`` less those a neighbouring bucket of rows (half or twice ``description["rows"]``,
+    the same computation otherwise) timed slower than ``NEIGHBOUR_SLACK`` × its fastest; all of them
+    where no neighbour was timed, in this process or in the on-disk cache. The neighbour's choice is
+    always kept, so a bucket never times fewer than one candidate."""
+    rows = description.get("rows")
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        return candidates
+    for other in (rows * 2, rows // 2):
+        neighbour = {**description, "rows": other}
+        done = decisions.get(_memo_key(neighbour))
+        timings = done["timings_ms"] if done and done.get("source") == "timed" else None
+        if timings is None:
+            record = cache.load_choice(_record_key(neighbour, device))
+            timings = record and record.get("timings_ms")
+        timed = {name: t for name, t in (timings or {}).items() if isinstance(t, float) and name in candidates}
+        if timed:
+            fastest = min(timed.values())
+            return {name: fn for name, fn in candidates.items()
+                    if name in timed and timed[name] <= NEIGHBOUR_SLACK * fastest}
+    return candidates
 
 
 def measure(candidates: dict[str, Callable[[], object]], reps: int = 25) -> dict[str, float | str]:
