@@ -213,6 +213,29 @@ def test_packed_rows_train_as_one_row_with_eagers_numbers():
     assert "packed rows (position ids, no attention mask) run as one row" in str(loracc.explain(compiled))
 
 
+def test_a_packed_row_of_one_sequence_keeps_the_call_signature():
+    """With SDPA, transformers builds no mask for a row holding a single sequence (plain causal
+    attention) and a mask for one holding several: a packed row's call always builds it, so the
+    block's call signature, and its compiled program, do not change with the number of sequences;
+    every step with eager PEFT's loss and LoRA gradients."""
+    import loracc
+    from loracc.tools import presets
+
+    eager, _ = presets.preset("llama", layers=2)
+    eager.config._attn_implementation = "sdpa"
+    compiled = loracc.compile(copy.deepcopy(eager), backend="eager")
+    for seed, row in enumerate([[5, 7, 4], [16], [9, 7]]):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, eager.config.vocab_size - 1, (1, 16), generator=g)
+        positions = torch.tensor([[p for n in row for p in range(n)]])
+        labels = ids.clone()
+        labels[0, [sum(row[:i]) for i in range(len(row))]] = -100
+        _assert_same_training(eager, compiled, {"input_ids": ids, "position_ids": positions, "labels": labels,
+                                                "use_cache": False})
+    assert compiled.base_model.model.config._attn_implementation == "loracc_packed|sdpa"
+    assert all(not region.recompiles for region in loracc.explain(compiled).regions)
+
+
 def test_the_flash_wrapper_binds_atens_arguments_by_name():
     """``_compat.flash_attention_varlen`` calls ATen's op with keyword arguments: on meta tensors
     (its shape function, no kernel) the names bind and the output has the query's shape."""

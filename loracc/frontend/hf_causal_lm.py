@@ -400,7 +400,7 @@ class HeadForward(CompiledForward):
             if self.defers_norm:
                 scope.enter_context(_deferred(decoder.norm))
             if boundaries:
-                varlen_attention.install(lm.config)
+                scope.enter_context(varlen_attention.one_row(lm.config))
                 token = varlen_attention.LAID_OUT.set(True)
                 scope.callback(varlen_attention.LAID_OUT.reset, token)
             outputs = decoder(

@@ -125,7 +125,6 @@ class _NoCacheInTraining(CompiledForward):
     def _one_row(self, forward, call: dict, rows: int):
         """The decoder run on its packed rows laid end to end (``call``), its hidden states handed
         back as ``rows`` rows."""
-        varlen_attention.install(self.module.config)
         if not self.flattening:
             self.flattening = True
             block = next((r for r in self.regions if r.kind == "block"), None)
@@ -134,7 +133,8 @@ class _NoCacheInTraining(CompiledForward):
                     "packed rows (position ids, no attention mask) run as one row, each sequence attended alone by "
                     + varlen_attention.attended_by(call["position_ids"].device)
                     + " (frontend.packing.flatten_call, frontend.varlen_attention)")
-        outputs = forward(self.module, **call)
+        with varlen_attention.one_row(self.module.config):
+            outputs = forward(self.module, **call)
         hidden = outputs.last_hidden_state
         outputs.last_hidden_state = hidden.reshape(rows, hidden.shape[1] // rows, *hidden.shape[2:])
         return outputs

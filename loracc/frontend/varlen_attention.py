@@ -18,11 +18,14 @@ alone (a checkpoint's recompute decides the same):
 Transformers builds every call's mask with the model's own mask function, the packed call's too
 (from the position ids, which restart at each sequence): a family whose layers do not pass their
 keyword arguments on to the attention (StableLM) gets no boundaries, and its attention keeps the
-sequences apart by that mask; never across them. The boundaries are a tensor, read on the device: a traced region holds them as an input, and one
+sequences apart by that mask; never across them. A packed row's call (``one_row``) builds that
+mask even for a row of one sequence, where transformers would build none: the layers' call
+signature stays the same whatever the number of sequences. The boundaries are a tensor, read on the device: a traced region holds them as an input, and one
 symbolic program serves every packing with the same number of boundary slots.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 
@@ -37,6 +40,8 @@ MIN_SLOTS = 16  # boundary slots (sequences) a packed row has at least: ``slots`
 # Set while a call whose rows loracc laid out itself runs (``HeadForward``'s packed batches): the
 # decoder's own call keeps them (``packing.flatten_call``).
 LAID_OUT = contextvars.ContextVar("loracc_laid_out", default=False)
+# Set while a packed row's call runs (``one_row``): its mask is always built (``_mask_of_one_row``).
+ONE_ROW = contextvars.ContextVar("loracc_one_row", default=False)
 # Boundaries and lengths a collator may pass for transformers' flash-attention path; one row's
 # call replaces them with its own (``packing.flatten_call``).
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -81,8 +86,33 @@ def install(config) -> None:
     AttentionInterface.register(name, attention)
     own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(current)
     if own_mask is not None:  # else transformers builds no mask, as for the own implementation
-        AttentionMaskInterface.register(name, own_mask)
+        AttentionMaskInterface.register(name, _mask_of_one_row(own_mask))
     config._attn_implementation = name
+
+
+@contextlib.contextmanager
+def one_row(config):
+    """Inside: the decoder call of one packed row (its ``cu_seq_lens_q`` given), ``config``'s
+    attention ``install``-ed."""
+    install(config)
+    token = ONE_ROW.set(True)
+    try:
+        yield
+    finally:
+        ONE_ROW.reset(token)
+
+
+def _mask_of_one_row(own_mask):
+    """``own_mask`` (transformers' mask function of the own implementation) that, in a packed row's
+    call (``one_row``), builds the mask even where the row holds one sequence: transformers would
+    build none there (plain causal attention), and the layers' call signature, so their compiled
+    programs, would change with the number of sequences in the row."""
+    def mask(*args, **kwargs):
+        if ONE_ROW.get():
+            kwargs["allow_is_causal_skip"] = False
+        return own_mask(*args, **kwargs)
+
+    return mask
 
 
 def compute_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
