@@ -35,7 +35,7 @@ def test_one_row_packs_every_sequence_in_the_batchs_order_with_its_boundaries():
     assert packed.position_ids[0].tolist() == [*range(9), 0, 1, 0, 1, 2, 3, 4]
     assert packed.cu_seq_lens.tolist()[:5] == [0, 9, 11, 16, 16]
     assert packed.labels[0, [0, 9, 11]].tolist() == [-100] * 3  # each sequence's first token predicts nothing
-    assert [one_row_width(n) for n in (1, 8, 9, 100, 1000, 4097)] == [8, 8, 16, 128, 1024, 6144]
+    assert [one_row_width(n) for n in (1, 8, 9, 100, 1000, 4097)] == [8, 8, 16, 112, 1024, 5120]
 
 
 class _Attention(torch.nn.Module):

@@ -74,11 +74,10 @@ def length_bucket(length: int) -> int:
 
 def one_row_width(tokens: int) -> int:
     """The width of the one row a batch of ``tokens`` real tokens packs into, where attention reads
-    the sequences' boundaries (``pack(one_row=True)``): the next multiple of half the power of two
-    at or below it (at least 8), so at most a third filler: two widths an octave, each captured
-    once as a CUDA graph per stage (docs/decisions/038-symbolic-fakes-without-dispatch.md)."""
+    the sequences' boundaries (``pack(one_row=True)``): the next multiple of a quarter of the power
+    of two at or below it (at least 8), so at most 25% filler."""
     tokens = max(tokens, 8)
-    step = max(8, 1 << max(tokens.bit_length() - 2, 0))
+    step = max(8, 1 << max(tokens.bit_length() - 3, 0))
     return -(-tokens // step) * step
 
 
