@@ -109,18 +109,18 @@ def pack(input_ids: Tensor | None, attention_mask: Tensor, inputs_embeds: Tensor
     ids of every row. Without ``one_row``, never packs several rows into one (rows of half the
     tokens instead): the attention keeps sequences apart by transformers' mask over each row. With
     ``one_row`` (an attention that reads ``Packed.cu_seq_lens``: ``frontend.varlen_attention``),
-    every sequence goes into one row of ``one_row_width`` tokens, in the batch's order. Copies the
-    mask and the labels to the host and checks them there (a few small operations on the device
-    would each cost a launch, and the first ones of a process a kernel load, before the same sync)."""
+    every sequence goes into one row of ``one_row_width`` tokens, in the batch's order. Reads the
+    mask's row lengths on the host (one sync)."""
     rows, length = attention_mask.shape
     if labels.shape != attention_mask.shape or (input_ids is None) == (inputs_embeds is None):
         return None
-    mask, host_labels = attention_mask.to("cpu").bool(), labels.to("cpu")
+    mask = attention_mask.bool()
     counts = mask.sum(-1)
-    right = bool((mask == (torch.arange(length) < counts[:, None])).all())
-    pads_ignored = bool((host_labels.masked_fill(mask, -100) == -100).all())
-    lengths = counts.tolist()
-    if not (right and pads_ignored) or max(lengths) == 0 or (min(lengths) == length and not always):
+    right = (mask == (torch.arange(length, device=mask.device) < counts[:, None])).all()
+    pads_ignored = (labels.masked_fill(mask, -100) == -100).all()
+    info = torch.cat([torch.stack([right, pads_ignored]).long(), counts.long()]).tolist()
+    lengths = info[2:]
+    if not (info[0] and info[1]) or max(lengths) == 0 or (min(lengths) == length and not always):
         return None
     if one_row:
         members = [i for i, n in enumerate(lengths) if n > 0]
