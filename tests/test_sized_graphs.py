@@ -147,8 +147,8 @@ def test_dense_layouts_are_told_from_gapped_and_overlapping_ones():
     assert not _dense(x[:, 1:4]) and not _dense(x[:, :1]) and not _dense(x[..., ::2]) and not _dense(torch.randn(3, 1).expand(3, 4))
 
 
-def test_grouped_copy_copies_every_tensor_one_multi_tensor_copy_per_dtype():
-    from loracc.runtime.sized_graphs import copy_groups, grouped_copy
+def test_copy_into_copies_every_tensor_one_multi_tensor_copy_per_dtype():
+    from loracc.runtime.sized_graphs import bound_groups, copy_groups, copy_into
 
     g = torch.Generator().manual_seed(3)
     srcs = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g).bfloat16(), torch.randint(0, 9, (4,), generator=g),
@@ -161,14 +161,14 @@ def test_grouped_copy_copies_every_tensor_one_multi_tensor_copy_per_dtype():
     # fp32 dense tensors (any strides) together; one by one: the gapped view, a dtype the
     # multi-tensor copy has no CUDA kernel for
     assert [0, 4] in groups and groups[-1] == [None, 3, 6]
-    grouped_copy(groups, dsts, srcs)
+    copy_into(bound_groups(dsts), srcs)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s)
 
 
 @cuda
-def test_grouped_copy_on_the_gpu_matches_a_copy_per_tensor():
-    from loracc.runtime.sized_graphs import copy_groups, grouped_copy
+def test_copy_into_on_the_gpu_matches_a_copy_per_tensor():
+    from loracc.runtime.sized_graphs import bound_groups, copy_into
 
     # made on the CPU (CUDA has no fill or cast for uint64) and moved; two of them gapped or transposed views
     made = [torch.randn(37, 5), torch.randn(11).bfloat16(), torch.randn(3, 8), torch.randn(6, 2), torch.arange(13),
@@ -177,6 +177,6 @@ def test_grouped_copy_on_the_gpu_matches_a_copy_per_tensor():
     dsts = [torch.full_like(t, 7).cuda() for t in made]
     for tensors in (srcs, dsts):
         tensors[2], tensors[3] = tensors[2][:, ::2], tensors[3].t()
-    grouped_copy(copy_groups(dsts), dsts, srcs)
+    copy_into(bound_groups(dsts), srcs)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d.cpu(), s.cpu())

@@ -238,13 +238,6 @@ def copy_groups(tensors: list) -> list[list[int]]:
     return list(groups.values()) + ([[None, *one_by_one]] if one_by_one else [])
 
 
-def grouped_copy(groups: list[list], dsts, srcs) -> None:
-    """``dsts[i].copy_(srcs[i])`` for every index of ``groups`` (``copy_groups`` of ``dsts``)."""
-    for group in groups:
-        one_by_one, indices = _split(group)
-        _copy(one_by_one, [dsts[i] for i in indices], [srcs[i] for i in indices])
-
-
 def bound_groups(tensors: list) -> list[tuple[bool, list[int], list]]:
     """``copy_groups(tensors)`` with the tensors themselves: ``(one_by_one, indices, tensors at
     them)`` a group, for copies whose one side is always ``tensors``."""
