@@ -243,7 +243,8 @@ def bound_groups(tensors: list) -> list[tuple[bool, list[int], list]]:
     them)`` a group, for copies whose one side is always ``tensors``."""
     bound = []
     for group in copy_groups(tensors):
-        one_by_one, indices = _split(group)
+        one_by_one = group[0] is None
+        indices = group[1:] if one_by_one else group
         bound.append((one_by_one, indices, [tensors[i] for i in indices]))
     return bound
 
@@ -252,12 +253,6 @@ def copy_into(bound: list, srcs: list) -> None:
     """``tensors[i].copy_(srcs[i])`` for the tensors ``bound`` (``bound_groups(tensors)``)."""
     for one_by_one, indices, buffers in bound:
         _copy(one_by_one, buffers, [srcs[i] for i in indices])
-
-
-def _split(group: list) -> tuple[bool, list[int]]:
-    """A group of ``copy_groups``: whether its tensors are copied one by one, and their indices."""
-    one_by_one = group[0] is None
-    return one_by_one, (group[1:] if one_by_one else group)
 
 
 def _copy(one_by_one: bool, dsts: list, srcs: list) -> None:
