@@ -21,7 +21,7 @@ from torch import nn
 
 from . import _compat
 from .capture.trace import CallSignature, CapturedForward, capture_forward, derive_joint, dynamic_dims
-from .capture.trace_cache import Traced, cached_trace
+from .capture.trace_cache import NotCached, Traced, cached_trace
 from .ir.graph import copy_graph, gc_paused, output_node, placeholders, role, value_bytes
 from .errors import LoraccError
 from .passes import CONTRACTS, FORWARD_PASSES, PassResult, fusion, memory_plan, partition, remat
@@ -72,7 +72,7 @@ class Program:
 def compile_call(
     module: nn.Module, path: str, signature: CallSignature, state: list, backend, *,
     memory_budget=None, repeats: int = 1, reserved_bytes: Reserve | int | None = None, price=SEARCH,
-    dynamic: bool = False, background: bool = False,
+    dynamic: bool = False, background: bool = False, entry_name: str | None = None,
 ) -> Program:
     """Compile one call of ``module`` (``state`` + the call's tensors are the graphs' inputs).
 
@@ -87,14 +87,22 @@ def compile_call(
 
     ``background``: return before the kernels are compiled (``Program.compiling``; ``Program.wait``
     before the first call, which otherwise compiles or waits for them at their launches).
+
+    ``entry_name``: read the graphs from this trace cache entry (``trace_cache.later_entry``), or raise
+    ``trace_cache.NotCached`` where it is missing or not valid, having traced nothing.
     """
     start = time.perf_counter()
     check = checking_passes()
     inputs = state + signature.tensors
     needs_grad = [t.requires_grad and t.is_floating_point() for t in inputs]
-    traced, cache_report = cached_trace(
-        module, path, signature, lambda: trace(module, path, signature, needs_grad, dynamic=dynamic, check=check),
-        dims=dynamic_dims(signature.tensors) if dynamic else None)
+
+    def traced_now():
+        if entry_name is not None:
+            raise NotCached(f"trace cache entry {entry_name} is missing or not valid for {path}'s call")
+        return trace(module, path, signature, needs_grad, dynamic=dynamic, check=check)
+
+    traced, cache_report = cached_trace(module, path, signature, traced_now,
+                                        dims=dynamic_dims(signature.tensors) if dynamic else None, entry_name=entry_name)
     captured, stages, reports = traced.captured, dict(traced.stages), dict(traced.reports)
     if check and cache_report.get("hit"):  # the forward passes did not run: check the graphs they left
         previous = "captured"

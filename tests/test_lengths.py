@@ -455,10 +455,11 @@ def _block(model):
     return block
 
 
-def test_a_padded_first_batch_compiles_symbolic_from_the_first_call():
+def test_a_padded_first_batch_compiles_symbolic_from_the_first_call(tmp_path, monkeypatch):
     """A first batch with padding (a dynamic-padding collator: lengths will vary) compiles the
     symbolic programs at once, one compile for every later length; a first batch without padding
     compiles static first."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))  # empty caches: the first layer's first call defers
     eager, compiled = _pair(layers=2)
     for length in (12, 17, 23):
         _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, length))
@@ -492,3 +493,25 @@ def test_a_padded_length_that_repeats_gets_a_static_program_too():
     assert all(p is static[0] for k, p in block.programs.items() if k[0][1][0][0][1] == 20)
     _assert_same_training(eager, compiled, _padded_batch(vocab, 13))
     assert block.captures == 2  # 13 ran the symbolic program
+
+
+def test_a_warm_start_runs_the_first_layers_first_call_with_the_symbolic_program(tmp_path, monkeypatch):
+    """On empty caches the first layer's first call runs eagerly (its input needs no gradient) and
+    the symbolic program compiled at the second layer is recorded for it; a new process-like start
+    on those caches runs that first call with the program read back from the trace cache, at other
+    lengths too where its guards admit them, and trains as eager PEFT does."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))
+    eager, compiled = _pair(layers=2)
+    _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, 12))
+    assert "layers.0's first call ran eagerly" in str(loracc.explain(compiled))
+    for length in (12, 17):
+        eager, compiled = _pair(layers=2)
+        _assert_same_training(eager, compiled, _padded_batch(eager.config.vocab_size, length))
+        block = _block(compiled)
+        explained = str(loracc.explain(compiled))
+        if length == 12:  # the recorded first call: no eager call, one program read back
+            assert "layers.0's first call ran the program of the layers after it" in explained
+            assert block.calls == 2 and [p.dynamic for p in block.compiled_programs] == [True]
+            assert all(p.reports["trace_cache"]["hit"] for p in block.compiled_programs)
+        else:  # a first call of other sizes has no record: eager, as on empty caches
+            assert "layers.0's first call ran eagerly" in explained and block.calls == 1

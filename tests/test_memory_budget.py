@@ -216,10 +216,12 @@ def test_an_unknown_optimizer_state_is_refused_naming_the_choices(value):
     assert getattr(model, "_loracc", None) is None
 
 
-def test_under_a_budget_every_layer_call_runs_compiled_from_the_first():
-    """Without a budget a block's first layer runs its very first call eagerly (``Region._defer``);
-    under one it never does: an eager layer saves what eager saves, which the budget did not plan."""
+def test_under_a_budget_every_layer_call_runs_compiled_from_the_first(tmp_path, monkeypatch):
+    """Without a budget a block's first layer runs its very first call eagerly on empty caches
+    (``Region._defer``); under one it never does: an eager layer saves what eager saves, which the
+    budget did not plan."""
     for budget, eager_calls in ((None, 1), (2**30, 0)):
+        monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path / str(budget)))
         model, batch = presets.preset("llama", layers=2)
         loracc.compile(model, memory_budget=budget, backend="eager")
         model(**batch).loss.backward()

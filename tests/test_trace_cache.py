@@ -46,7 +46,7 @@ def step(modify=None, **overrides):
     loracc.compile(model, backend="eager")
     loss = model(**batch).loss
     loss.backward()
-    programs = [p for r in model._loracc.regions for p in r.programs.values()]
+    programs = [p for r in model._loracc.regions for p in r.compiled_programs]
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
     return {"loss": loss.item(), "reference": reference, "grads": grads,
             "reports": [p.reports["trace_cache"] for p in programs], "stages": [p.stages for p in programs],
@@ -55,7 +55,8 @@ def step(modify=None, **overrides):
 
 def test_second_compile_reads_the_graphs_back_and_trains_the_same(cache_dir):
     cold = step()
-    assert [r["hit"] for r in cold["reports"]] == [False, False]  # the layers (the first layer's first call ran eagerly), the head
+    # the layers (the first layer's first call ran eagerly; on a warm start it runs their program), the head
+    assert [r["hit"] for r in cold["reports"]] == [False, False]
     assert len(list((cache_dir / "graphs").glob("*.json"))) == 2
     assert cold["explained"].count("traced, kept in the trace cache") == 2
     warm = step()
@@ -64,7 +65,11 @@ def test_second_compile_reads_the_graphs_back_and_trains_the_same(cache_dir):
     assert warm["explained"].count("graphs read from the trace cache") == 2
     assert warm["loss"] == cold["loss"] and abs(warm["loss"] - warm["reference"]) <= 1e-4 * abs(warm["reference"])
     for name, grad in cold["grads"].items():
-        assert grad.abs().sum() > 0 and torch.equal(warm["grads"][name], grad), name
+        assert grad.abs().sum() > 0, name
+        if ".layers.0." in name:  # eager on the cold start, the program on the warm one
+            assert ((warm["grads"][name] - grad).norm() / grad.norm()).item() <= 1e-4, name
+        else:
+            assert torch.equal(warm["grads"][name], grad), name
     for cold_stages, warm_stages in zip(cold["stages"], warm["stages"]):
         assert list(warm_stages) == list(cold_stages)
         for name in cold_stages:
@@ -204,7 +209,7 @@ def test_a_second_process_reads_what_the_first_wrote(cache_dir):
         model, batch = presets.preset("llama")
         loracc.compile(model, backend="eager")
         model(**batch).loss.backward()
-        print([p.reports["trace_cache"]["hit"] for r in model._loracc.regions for p in r.programs.values()])
+        print([p.reports["trace_cache"]["hit"] for r in model._loracc.regions for p in r.compiled_programs])
     """)
     outputs = []
     for seed in ("1", "2"):
@@ -230,7 +235,7 @@ def test_an_entry_written_by_another_checkout_of_loracc_is_not_read(cache_dir, t
         loracc.compile(model, backend="eager")
         model(**batch).loss.backward()
         print(loracc.__file__)
-        print([p.reports["trace_cache"]["hit"] for r in model._loracc.regions for p in r.programs.values()])
+        print([p.reports["trace_cache"]["hit"] for r in model._loracc.regions for p in r.compiled_programs])
     """)
 
     def run_other():
@@ -332,7 +337,8 @@ def test_an_entry_naming_what_a_trace_never_calls_is_refused_never_called(cache_
         entry.write_text(json.dumps(data))
     with pytest.warns(UserWarning, match="refusing trace cache entry .*a loracc trace never calls|where a dtype belongs") as caught:
         again = step()
-    assert len([w for w in caught if "refusing trace cache entry" in str(w.message)]) == 2
+    # each of the two entries (the layers', read first for the first layer too; the head's)
+    assert len({str(w.message) for w in caught if "refusing trace cache entry" in str(w.message)}) == 2
     assert calls == []
     assert [r["hit"] for r in again["reports"]] == [False, False]
     assert again["loss"] == cold["loss"]
@@ -525,3 +531,24 @@ def test_a_graph_read_back_is_the_graph_torch_create_node_would_build_and_comput
         fresh = random_like(real, seed)
         for a, b in zip(run(traced.stages["lora_match"], fresh), run(ours.stages["lora_match"], fresh)):
             assert torch.equal(a, b)
+
+
+def test_a_first_layer_runs_the_program_recorded_for_its_call_only(cache_dir):
+    """The first layer's first call runs eagerly on empty caches and the program the second layer
+    compiled is recorded for it (a ``.later`` file beside the entries); the next start runs it for
+    that call; a call of other sizes, or a record that is damaged or names anything but an entry,
+    runs eagerly as on empty caches, with eager's numbers each time."""
+    eager_first = "layers.0's first call ran eagerly"
+    cold = step()
+    assert eager_first in cold["explained"]
+    (record,) = (cache_dir / "graphs").glob("*.later")
+    warm = step()
+    assert "layers.0's first call ran the program of the layers after it" in warm["explained"]
+    assert all(r["hit"] for r in warm["reports"]) and len(warm["reports"]) == 2
+    assert eager_first in step(seq=23)["explained"]
+    good = record.read_text()
+    for damaged in (good[: len(good) // 2], good.replace('.json"', '/../x.json"'), good.replace("true", '"yes"')):
+        record.write_text(damaged)
+        again = step()
+        assert eager_first in again["explained"], damaged
+        assert again["loss"] == cold["loss"] and all(torch.equal(again["grads"][n], g) for n, g in cold["grads"].items())

@@ -59,6 +59,7 @@ import logging
 import math
 import operator
 import os
+import re
 import sys
 import types
 import warnings
@@ -97,6 +98,10 @@ class Refused(ValueError):
     """An entry that names something a loracc trace never calls: it is not used."""
 
 
+class NotCached(Exception):
+    """Raised by ``cached_trace``'s ``trace`` where the caller wants an entry only, not a trace."""
+
+
 # What a cached graph may call. Operators: by namespace, less those that read or write files.
 OP_NAMESPACES = ("aten", "prims", "loracc")
 FILE_OPS = ("aten::from_file", "aten::save", "aten::_print")
@@ -116,7 +121,7 @@ FUNCTIONS = {
 
 
 def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: Callable[[], Traced],
-                 dims: list[list[bool]] | None = None) -> tuple[Traced, dict]:
+                 dims: list[list[bool]] | None = None, entry_name: str | None = None) -> tuple[Traced, dict]:
     """``trace()``'s result, from the cache when an entry for this call is valid; and a report:
     ``{"hit": bool, "entry": file}``, or ``{"hit": False, "why": ...}`` when nothing was cached.
 
@@ -124,12 +129,15 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
     the entry is keyed without their sizes (only which of them are equal), its sizes are kept as
     expressions of the symbols, and the guards the trace recorded are kept and replayed on a fresh
     shape environment made from this call (``decode``); an entry whose guards this call's sizes do
-    not meet is traced again."""
+    not meet is traced again.
+
+    ``entry_name``: the entry to read instead of the one this call's key names (another layer's
+    of the same structure, see ``later_entry``)."""
     if os.environ.get("LORACC_TRACE_CACHE", "1") == "0":
         return trace(), {"hit": False, "why": "LORACC_TRACE_CACHE=0"}
     try:
         packages = _packages(module)
-        entry = cache_folder("graphs") / f"{trace_key(module, path, signature, packages, dims)}.json"
+        entry = cache_folder("graphs") / (entry_name or f"{trace_key(module, path, signature, packages, dims)}.json")
     except Uncacheable as exc:
         return trace(), {"hit": False, "why": str(exc)}
     traced = _read(entry, module, signature, dims)
@@ -166,6 +174,41 @@ def _read(entry, module: nn.Module, signature: CallSignature, dims) -> Traced | 
         except Exception as exc:  # noqa: BLE001 - an entry that does not read back is traced again
             log.info("loracc: trace cache entry %s is unreadable (%s: %s); tracing again", entry, type(exc).__name__, exc)
         return None
+
+
+def call_entry(module: nn.Module, path: str, signature: CallSignature) -> str | None:
+    """The name of the entry a static trace of this call has (or would have); None where the call
+    cannot be keyed or the cache is off."""
+    if os.environ.get("LORACC_TRACE_CACHE", "1") == "0":
+        return None
+    try:
+        return f"{trace_key(module, path, signature)}.json"
+    except Uncacheable:
+        return None
+
+
+def remember_later_entry(call: str, entry: str, path: str, wanted: list[bool]) -> None:
+    """Record that the layers after a call (``call``: its ``call_entry``) ran the program traced in
+    ``entry`` by layer ``path``, compiled for that call with the gradients ``wanted`` (a flag per
+    tensor of its signature) and serving it too. A block's first layer, whose input needs no
+    gradient, so runs that program at its first call on a warm start (``later_entry``) rather than
+    eagerly: the layers' own keys differ (PEFT names each layer's adapters by its index)."""
+    try:
+        atomic_write(cache_folder("graphs") / f"{call[:-len('.json')]}.later",
+                     json.dumps({"entry": entry, "path": path, "wanted": wanted}))
+    except OSError as exc:
+        log.info("loracc: could not record the later layers' trace entry for %s: %s", call, exc)
+
+
+def later_entry(call: str) -> dict | None:
+    """What ``remember_later_entry`` recorded for ``call``: ``{"entry", "path", "wanted"}``, or None."""
+    data = read_json(cache_folder("graphs") / f"{call[:-len('.json')]}.later")
+    if data is None or not {"entry", "path", "wanted"} <= data.keys():
+        return None
+    if not re.fullmatch(r"[0-9a-f]{32}\.json", str(data["entry"])):  # an entry is named by its key: nothing else is read
+        return None
+    wanted = data["wanted"]
+    return data if isinstance(wanted, list) and all(isinstance(w, bool) for w in wanted) else None
 
 
 # --- the key ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ makes the whole region run eagerly from then on, with a warning and a ``Fallback
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 import weakref
@@ -32,6 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _compat
 from ..capture.trace import call_signature, module_state, tensor_key
+from ..capture import trace_cache
+from ..capture.trace_cache import NotCached
 from ..errors import Unsupported
 from ..options import parse_budget
 from ..passes.remat import SEARCH
@@ -135,7 +138,8 @@ class Region:
     # symbolic one replaced) is freed, and its id, if reused, names a program not yet checked
     _verified: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     _warned_storm: bool = False
-    _deferred: bool = False  # the first call ran eagerly (``_defer``)
+    _deferred: bool = False  # the first call was deferred (``_defer``)
+    _deferred_call: tuple = (None, None)  # its trace cache entry name and key, until the next compile
     eager_calls_while_compiling: int = 0  # calls run eagerly while a program's kernels compiled (``_beside_compile``)
     _ran_eagerly: set = field(default_factory=set)  # (program id, layer path): eager while it compiled
     symbolic_first: bool = False  # see PROMOTE_AFTER
@@ -168,10 +172,17 @@ class Region:
         program = self.programs.get(key)
         if program is None and key not in self.programs:
             program = self._covering_program(key, state + signature.tensors)
-            if program is None and self._defer(path, signature, key):
-                return eager_forward(*args, **kwargs)
+            if program is None and self._defer(module, path, signature, key):
+                program = self._later_layers_program(module, signature, state, key)
+                if program is None:
+                    self.notes.append(f"{path}'s first call ran eagerly; its later calls run the program compiled "
+                                      "for the layers after it, whose input gradient it computes and drops")
+                    return eager_forward(*args, **kwargs)
+                self.notes.append(f"{path}'s first call ran the program of the layers after it (read from the "
+                                  "trace cache), whose input gradient it computes and drops")
             if program is None:
                 program = self._compile(module, path, signature, state, key)
+                self._remember_for_first_layer(program, path, key)
             else:
                 self.programs[key] = program
         if program is not None and program.dynamic and self.symbolic_first and not self._promoted:
@@ -251,14 +262,15 @@ class Region:
         self._ran_eagerly = {e for e in self._ran_eagerly if e[0] != id(program)}
         return False
 
-    def _defer(self, path: str, signature, key) -> bool:
-        """Whether to run this call eagerly instead of compiling it: the region's very first call,
-        from a block's first layer, whose floating-point inputs need no gradient (they come from a
-        frozen embedding) while the layers after it will need them. Their program, compiled at the
-        next call, then serves this layer too (``_covering_program``): one compile, not two. Never
-        under a memory budget (an eager layer saves what eager saves, which the budget did not plan)
-        nor under saved-tensor hooks (an enclosing non-reentrant checkpoint would recompute the call
-        with the program, which saves other tensors)."""
+    def _defer(self, module, path: str, signature, key) -> bool:
+        """Whether not to compile this call for its own signature: the region's very first call, from
+        a block's first layer, whose floating-point inputs need no gradient (they come from a frozen
+        embedding) while the layers after it will need them. Their program then serves this layer too
+        (``_covering_program``): one compile, not two. The call runs that program where an earlier
+        run recorded it in the trace cache (a warm start, ``_later_layers_program``), else eagerly,
+        the program compiled at the next call. Never under a memory budget (an eager layer saves what
+        eager saves, which the budget did not plan) nor under saved-tensor hooks (an enclosing
+        non-reentrant checkpoint would recompute the call with the program, which saves other tensors)."""
         if self.kind != "block" or len(self.modules) < 2 or path != self.modules[0] or self.programs or self._deferred:
             return False
         if self.memory_budget is not None or _compat.saved_tensors_hooks_active():
@@ -266,9 +278,40 @@ class Region:
         if not any(t.is_floating_point() and not t.requires_grad for t in signature.tensors):
             return False
         self._deferred = True
-        self.notes.append(f"{path}'s first call ran eagerly; its later calls run the program compiled for the "
-                          "layers after it, whose input gradient it computes and drops")
+        self._deferred_call = (trace_cache.call_entry(module, path, signature), key)
         return True
+
+    def _later_layers_program(self, module, signature, state, key) -> Program | None:
+        """For a deferred first call (``_defer``): the program the layers after it ran in an earlier
+        run (``trace_cache.later_entry``), read from the trace cache and compiled now, which computes
+        this call too; None where nothing was recorded or the entry does not read back (nothing is
+        traced)."""
+        call = self._deferred_call[0]
+        record = trace_cache.later_entry(call) if call is not None else None
+        if record is None or len(record["wanted"]) != len(signature.tensors):
+            return None
+        later = signature.needing_gradients(record["wanted"])
+        try:
+            self._compile(module, record["path"], later, state, (later.key, key[1], key[2]), entry_name=record["entry"])
+        except NotCached:
+            return None
+        program = self._covering_program(key, state + signature.tensors)
+        if program is not None:
+            self.programs[key] = program
+        return program
+
+    def _remember_for_first_layer(self, program: Program | None, path: str, key) -> None:
+        """After the compile that follows a deferred first call: record its trace cache entry for
+        that call (``trace_cache.remember_later_entry``) where the program computes it too."""
+        call, deferred_key = self._deferred_call
+        self._deferred_call = (None, None)
+        entry = program.reports["trace_cache"].get("entry") if program is not None else None
+        if call is None or entry is None:
+            return
+        if not (_covers(program.generic_key, _generic_key(deferred_key)) if program.dynamic else _covers(key, deferred_key)):
+            return
+        wanted = [program.n_state + i in program.grad_inputs for i in range(program.n_inputs - program.n_state)]
+        trace_cache.remember_later_entry(call, os.path.basename(entry), path, wanted)
 
     def _promote(self, module, path, signature, state, key) -> Program | None:
         """A static program for this call's sizes, compiled once they have come ``PROMOTE_AFTER``
@@ -285,7 +328,9 @@ class Region:
                 del self.programs[k]
         return program
 
-    def _compile(self, module, path, signature, state, key, promote: bool = False):
+    def _compile(self, module, path, signature, state, key, promote: bool = False, entry_name: str | None = None):
+        """The program compiled for this call (None where it cannot be: the call runs eagerly), kept
+        in ``programs``. ``promote``: see ``_promote``; ``entry_name``: see ``compile_call``."""
         generic = _generic_key(key)
         # Static programs of this kind, up to which inputs need gradients; those at other sizes make
         # this call symbolic, and the symbolic program computes every gradient any of them did.
@@ -299,15 +344,16 @@ class Region:
             signature = signature.needing_gradients(wanted)
             key = (signature.key, key[1], key[2])
             generic = _generic_key(key)
-        log.info("compiling region %s for %s%s", self.name, _describe_shapes(signature.tensors),
-                 " (batch and sequence dims symbolic)" if dynamic else "")
+        if entry_name is None:
+            log.info("compiling region %s for %s%s", self.name, _describe_shapes(signature.tensors),
+                     " (batch and sequence dims symbolic)" if dynamic else "")
         start = time.perf_counter()
         try:
             program = compile_call(
                 module, path, signature, state, self.backend, memory_budget=self.memory_budget,
                 repeats=self.repeats, reserved_bytes=self.step.reserved_bytes(self, signature.tensors) if self.step else None,
                 price=self.step.price if self.step else SEARCH, dynamic=dynamic,
-                background=self._eager_while_compiling(),
+                background=self._eager_while_compiling(), entry_name=entry_name,
             )
         except Unsupported as exc:
             others = len(self.modules) - 1
