@@ -552,3 +552,19 @@ def test_a_first_layer_runs_the_program_recorded_for_its_call_only(cache_dir):
         again = step()
         assert eager_first in again["explained"], damaged
         assert again["loss"] == cold["loss"] and all(torch.equal(again["grads"][n], g) for n, g in cold["grads"].items())
+
+
+def test_a_later_compile_leaves_the_first_layers_record(cache_dir):
+    """On a warm start the first layer's record is used; a program compiled later in the run (here
+    the symbolic one a second length compiles) does not replace it."""
+    step()
+    (record,) = (cache_dir / "graphs").glob("*.later")
+    recorded = record.read_text()
+    model, batch = presets.preset("llama")
+    _, other = presets.preset("llama", seq=23)
+    loracc.compile(model, backend="eager")
+    for b in (batch, other):
+        model(**b).loss.backward()
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    assert any(p.dynamic for p in block.compiled_programs)
+    assert record.read_text() == recorded

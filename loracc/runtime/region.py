@@ -298,6 +298,7 @@ class Region:
         program = self._covering_program(key, state + signature.tensors)
         if program is not None:
             self.programs[key] = program
+            self._deferred_call = (None, None)  # recorded already: a later compile is not the layers' first
         return program
 
     def _remember_for_first_layer(self, program: Program | None, path: str, key) -> None:
