@@ -40,6 +40,10 @@ does not cover (a constant tensor, an unknown target) is traced every time, and 
 ``trace_cache`` report. Entries are JSON files under ``<cache dir>/graphs/``, written atomically;
 one that cannot be read back is traced again and rewritten.
 
+Beside an entry, a ``<key>.later`` record (``remember_later_entry``) says which entry the layers
+after a block's deferred first call ran, keyed by that first call: a warm start runs it for that
+call too. A record names an entry by its key only; one that does not read back is ignored.
+
 An entry is data, never code: its nodes name what they call, and only what loracc's traces call
 can be named: operators of the ``aten``, ``prims`` and ``loracc`` namespaces (less the few that
 touch files: ``FILE_OPS``) and the Python functions torch.fx puts in graphs (``FUNCTIONS``:
