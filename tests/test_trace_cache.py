@@ -547,7 +547,9 @@ def test_a_first_layer_runs_the_program_recorded_for_its_call_only(cache_dir):
     assert all(r["hit"] for r in warm["reports"]) and len(warm["reports"]) == 2
     assert eager_first in step(seq=23)["explained"]
     good = record.read_text()
-    for damaged in (good[: len(good) // 2], good.replace('.json"', '/../x.json"'), good.replace("true", '"yes"')):
+    damages = (good[: len(good) // 2], good.replace('.json"', '/../x.json"'), good.replace("true", '"yes"'),
+               json.dumps({**json.loads(good), "path": 3}))
+    for damaged in damages:
         record.write_text(damaged)
         again = step()
         assert eager_first in again["explained"], damaged

@@ -212,7 +212,9 @@ def later_entry(call: str) -> dict | None:
     if not re.fullmatch(r"[0-9a-f]{32}\.json", str(data["entry"])):  # an entry is named by its key: nothing else is read
         return None
     wanted = data["wanted"]
-    return data if isinstance(wanted, list) and all(isinstance(w, bool) for w in wanted) else None
+    if not (isinstance(data["path"], str) and isinstance(wanted, list) and all(isinstance(w, bool) for w in wanted)):
+        return None
+    return data
 
 
 # --- the key ---------------------------------------------------------------------------------
