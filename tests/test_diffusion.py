@@ -177,12 +177,17 @@ def test_losses_and_lora_gradients_match_eager(trained):
 
 
 def test_parameters_after_adamw_steps_match_eager(trained):
+    """Parameters, not updates: AdamW's update divides by the gradient's own size, so an element
+    whose gradient is near zero gets a step of ±lr either way (as in tests/test_parity.py), and
+    rounding differences are amplified: with the gradients within 4.4e-6 of eager's (torch 2.11's
+    CPU kernels, the GPU machine), one element of 192 in the UNet's mid-block ``to_q.lora_B`` ends
+    1.6e-4 apart after three steps at lr 1e-2 (1.1e-4 relative for the tensor; 3e-5 under torch
+    2.13). Hence 1e-3, as for AdamW parameters in tests/test_cuda_graphs.py; the gradients are held
+    to 1e-4 in ``test_losses_and_lora_gradients_match_eager``."""
     eager = lora_params(trained.eager)
     for name, p in lora_params(trained.compiled).items():
         assert not torch.equal(p, trained.before[name]), f"{name} did not train"
-        # Parameters, not updates: AdamW's update divides by the gradient's own size, so an element whose
-        # gradient is near zero gets a step of ±lr either way (as in tests/test_parity.py).
-        assert rel_err(p, eager[name]) <= 1e-4, name
+        assert rel_err(p, eager[name]) <= 1e-3, name
 
 
 def _regions(model):
