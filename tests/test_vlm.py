@@ -172,10 +172,11 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_a_call_whose_attentions_transformers_records_runs_those_layers_eagerly():
+def test_a_call_whose_attentions_transformers_records_runs_those_layers_eagerly(tmp_path, monkeypatch):
     """With ``output_attentions`` transformers records every attention module's weights with a hook
     inside each layer, which a compiled graph would not run: that call's layers run eagerly, with a
     warning, and return eager's attentions, loss and gradients; the next call without it compiles."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))  # empty caches: each tower's first layer defers
     model, batch = _llava_eager_attention()
     compiled = loracc.compile(copy.deepcopy(model))
     for i, kwargs in enumerate(({}, {"output_attentions": True}, {})):
