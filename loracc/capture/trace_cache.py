@@ -137,7 +137,7 @@ def cached_trace(module: nn.Module, path: str, signature: CallSignature, trace: 
 
     ``entry_name``: the entry to read instead of the one this call's key names (another layer's
     of the same structure, see ``later_entry``)."""
-    if os.environ.get("LORACC_TRACE_CACHE", "1") == "0":
+    if _off():
         return trace(), {"hit": False, "why": "LORACC_TRACE_CACHE=0"}
     try:
         packages = _packages(module)
@@ -183,7 +183,7 @@ def _read(entry, module: nn.Module, signature: CallSignature, dims) -> Traced | 
 def call_entry(module: nn.Module, path: str, signature: CallSignature) -> str | None:
     """The name of the entry a static trace of this call has (or would have); None where the call
     cannot be keyed or the cache is off."""
-    if os.environ.get("LORACC_TRACE_CACHE", "1") == "0":
+    if _off():
         return None
     try:
         return f"{trace_key(module, path, signature)}.json"
@@ -198,15 +198,14 @@ def remember_later_entry(call: str, entry: str, path: str, wanted: list[bool]) -
     gradient, so runs that program at its first call on a warm start (``later_entry``) rather than
     eagerly: the layers' own keys differ (PEFT names each layer's adapters by its index)."""
     try:
-        atomic_write(cache_folder("graphs") / f"{call[:-len('.json')]}.later",
-                     json.dumps({"entry": entry, "path": path, "wanted": wanted}))
+        atomic_write(_later_path(call), json.dumps({"entry": entry, "path": path, "wanted": wanted}))
     except OSError as exc:
         log.info("loracc: could not record the later layers' trace entry for %s: %s", call, exc)
 
 
 def later_entry(call: str) -> dict | None:
     """What ``remember_later_entry`` recorded for ``call``: ``{"entry", "path", "wanted"}``, or None."""
-    data = read_json(cache_folder("graphs") / f"{call[:-len('.json')]}.later")
+    data = read_json(_later_path(call))
     if data is None or not {"entry", "path", "wanted"} <= data.keys():
         return None
     if not re.fullmatch(r"[0-9a-f]{32}\.json", str(data["entry"])):  # an entry is named by its key: nothing else is read
@@ -215,6 +214,16 @@ def later_entry(call: str) -> dict | None:
     if not (isinstance(data["path"], str) and isinstance(wanted, list) and all(isinstance(w, bool) for w in wanted)):
         return None
     return data
+
+
+def _later_path(call: str):
+    """Where the record of ``call`` (an entry's file name) is kept: beside the entry, ``.later`` for ``.json``."""
+    return cache_folder("graphs") / f"{call[:-len('.json')]}.later"
+
+
+def _off() -> bool:
+    """Whether the environment turns the trace cache off (``LORACC_TRACE_CACHE=0``)."""
+    return os.environ.get("LORACC_TRACE_CACHE", "1") == "0"
 
 
 # --- the key ---------------------------------------------------------------------------------
