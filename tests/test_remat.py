@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import operator
 
 import pytest
@@ -21,6 +22,7 @@ from loracc.passes.memory_plan import activation_bytes, value_bytes
 from loracc.passes.partition import is_random, split
 from loracc.options import Budget, parse_budget
 from loracc.passes.remat import FASTEST, Cut, saving_everything
+remat_module = importlib.import_module("loracc.passes.remat")  # the module (loracc.passes.remat is the pass)
 from conftest import rel_err
 from test_partition import assert_split_matches_joint, reads_of_backward
 
@@ -256,3 +258,19 @@ def test_attention_with_dropout_is_never_recomputed():
     remat(joint, 1, 0.0)
     assert "recomputed" not in info(attention)
     assert all("saved" in info(u) for u in attention.users if any(info(b)["phase"] == "backward" for b in u.users))
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_convolution_flops_count_each_output_channels_weights(tracing_mode):
+    """A convolution's FLOPs are 2 × output elements × one output channel's weights (in channels per
+    group × kernel), read from the fake values' shapes (grouped, non-square kernel, odd sizes)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def conv(x, w):
+        return F.conv2d(x, w, stride=(1, 2), padding=1, groups=2)
+
+    x, w = torch.randn(2, 6, 7, 9), torch.randn(4, 3, 3, 2)
+    gm = make_fx(conv, tracing_mode=tracing_mode)(x, w)
+    [node] = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.overloadpacket is aten.convolution]
+    out = conv(x, w)
+    assert remat_module._flops(node) == 2 * out.numel() * 3 * 3 * 2

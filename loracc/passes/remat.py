@@ -225,7 +225,8 @@ class Cut:
         costly = [n for n in self.forward if _is_expensive(n)]
         self.spread = 8 * max(1, len(costly))
         # An op whose FLOPs are unknown is recomputed only at price 0 (when recomputing is free).
-        self.cost = {n: None if _flops(n) is None else _flops(n) * (self.spread + i) for i, n in enumerate(costly)}
+        flops = [_flops(n) for n in costly]
+        self.cost = {n: None if f is None else f * (self.spread + i) for i, (n, f) in enumerate(zip(costly, flops))}
         self.plans: dict = {}
         self.solved = 0
 
@@ -399,7 +400,12 @@ def _flops(node: fx.Node) -> int | None:
         query, key = args[0], args[1]
         return 4 * hint(query.numel()) * hint(key.shape[-2])
     if packet is aten.convolution:
-        return 2 * hint(out.numel()) * hint(args[1][0].numel())
+        # Per output element: one multiply-add per weight element of one output channel (the
+        # weight's shape, not an indexed fake: that would dispatch an op).
+        per_channel = 1
+        for size in args[1].shape[1:]:
+            per_channel *= hint(size)
+        return 2 * hint(out.numel()) * per_channel
     if packet in GEMMS:
         reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
         return 2 * hint(out.numel()) * hint(reduced.shape[-1])
