@@ -409,9 +409,7 @@ def run_section(data: dict, out_dir: Path, stem: str) -> list[str]:
         "- step ms: median over the timed steps after warm-up (CUDA events); peak: torch.cuda.max_memory_allocated "
         "over the whole run; first step: wall clock of step 0 in a fresh process with empty compile caches (cold) "
         "and, where measured, in a second process on the caches the first left (warm); a note in brackets says "
-        "where the caches were not the row's own" + (f"; before the first row, the machine was warmed up once "
-                                                     f"({run['machine_warm_up']}: step.warm_machine)"
-                                                     if run.get("machine_warm_up") else ""),
+        "where the caches were not the row's own",
         "- a failed row keeps its reason: **timeout** is the worker's --timeout or the end of the run's --deadline; "
         "**oom** is out of GPU memory; **skipped** was not run",
         f"- parity: losses against {REFERENCE} on the same weights and batch (relative tolerance by dtype, "

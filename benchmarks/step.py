@@ -309,41 +309,6 @@ def train(model, peft_model, args, device, progress=_no_progress) -> dict:
     return result
 
 
-def warm_machine() -> str:
-    """Before the first row: load what any method's first step reads from disk the first time on a
-    machine (cuBLAS, cuDNN and flash attention's kernels, Triton's compiler, ``ptxas``, the C compiler
-    and headers Triton builds its launchers with) by running a bf16 attention, a convolution and a
-    small Triton kernel compiled in a throwaway cache. Otherwise whichever row runs first pays it in
-    its cold first step (docs/decisions/040-the-first-row-paid-for-a-fresh-machine.md).
-    Every row's own compile caches stay empty. Returns what was warmed (recorded with the run)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "nothing (no CUDA device)"
-    x = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).sum().backward()
-    image = torch.randn(1, 8, 32, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    torch.nn.functional.conv2d(image, torch.randn(8, 8, 3, 3, device="cuda", dtype=torch.bfloat16)).sum().backward()
-    done = "attention, convolution"
-    with tempfile.TemporaryDirectory(prefix="bench-warm-triton-") as cache:
-        previous = os.environ.get("TRITON_CACHE_DIR")
-        os.environ["TRITON_CACHE_DIR"] = cache
-        try:
-            from benchmarks import warm_kernel
-
-            warm_kernel.run()
-            done += ", a Triton kernel"
-        except Exception as exc:  # noqa: BLE001 - no Triton here: the rows that need it say so
-            done += f" (no Triton kernel: {type(exc).__name__})"
-        finally:
-            if previous is None:
-                os.environ.pop("TRITON_CACHE_DIR")
-            else:
-                os.environ["TRITON_CACHE_DIR"] = previous
-    torch.cuda.synchronize()
-    return done
-
-
 def measure_matmul() -> dict:
     """The matrix rate that MFU is taken against: bf16 8192³ on CUDA, fp32 1024³ on a CPU."""
     import torch
@@ -492,7 +457,7 @@ def main(argv=None) -> int:
         args.warmup = 2 if args.quick else 3
 
     if args.worker == "matmul":
-        harness.write(args.record_file, {**measure_matmul(), "machine_warm_up": warm_machine()}, [])
+        harness.write(args.record_file, measure_matmul(), [])
         return 0
     if args.worker:
         args.method, args.workload = args.method[0], args.workload[0]

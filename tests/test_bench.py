@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,8 +153,6 @@ def test_tiny_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["run"]["matmul_tflops"] > 0 and data["run"]["command"].startswith("python -m benchmarks step --tiny")
-    assert data["run"]["machine_warm_up"] == ("attention, convolution, a Triton kernel" if torch.cuda.is_available()
-                                              else "nothing (no CUDA device)")
     assert {"date", "device", "versions", "git_commit", "python"} <= set(data["run"])
     rows = {r["method"]: r for r in data["records"]}
     assert len(data["records"]) == 3 and set(rows) == {"peft-eager", "loracc", "peft-liger"}
