@@ -38,8 +38,6 @@ class Program:
     n_outputs: int
     differentiable: list[bool]
     grad_inputs: list[int]
-    # Each stage's graph by name, in order (a dict; ``trace_cache.Stages`` for a program read from the
-    # trace cache, whose forward passes' graphs are decoded when first read).
     stages: dict[str, fx.GraphModule] = field(default_factory=dict)
     # Each pass's report by name: a dict, or a typed report with ``asdict()`` (``memory_plan``:
     # ``MemoryPlanReport``, ``partition``: ``PartitionReport``).
@@ -105,7 +103,7 @@ def compile_call(
 
     traced, cache_report = cached_trace(module, path, signature, traced_now,
                                         dims=dynamic_dims(signature.tensors) if dynamic else None, entry_name=entry_name)
-    captured, stages, reports = traced.captured, traced.stages.copy(), dict(traced.reports)
+    captured, stages, reports = traced.captured, dict(traced.stages), dict(traced.reports)
     if check and cache_report.get("hit"):  # the forward passes did not run: check the graphs they left
         previous = "captured"
         for pass_ in FORWARD_PASSES:
@@ -131,9 +129,7 @@ def replan(program: Program, backend, *, repeats: int, price, memory_budget=None
     start = time.perf_counter()
     needs_grad = [i in program.grad_inputs for i in range(program.n_inputs)]
     traced = ("captured", *(p.__name__ for p in FORWARD_PASSES), "joint")
-    stages = program.stages.copy()  # undecoded stages stay so (trace_cache.Stages)
-    for name in [name for name in stages if name not in traced]:
-        del stages[name]
+    stages = {name: program.stages[name] for name in traced}
     reports = {name: report for name, report in program.reports.items()
                if name in traced or name == "trace_cache"}
     new = lower(program.captured, stages, reports, needs_grad, program.n_state, backend, path=path,
@@ -150,7 +146,7 @@ def lower(captured: CapturedForward, stages: dict, reports: dict, needs_grad: li
     from a traced call's ``stages`` and ``reports`` (up to ``"joint"``; copied, never changed).
     ``n_state``: how many leading inputs are the module's state; ``check``: check each pass's contract;
     ``background``: see ``compile_call``."""
-    stages, reports = stages.copy(), dict(reports)  # a dict, or trace_cache.Stages (kept undecoded)
+    stages, reports = dict(stages), dict(reports)
     out_vals = [o.meta["val"] for o in output_node(stages["captured"]).args[0]]
     n_outputs = len(out_vals)
     joint = copy_graph(stages["joint"])  # remat marks its cut on the copy; partition reads it

@@ -56,7 +56,6 @@ that calls something else is not cached. The folder is private to the user
 """
 from __future__ import annotations
 
-import collections.abc
 import functools
 import hashlib
 import json
@@ -83,69 +82,15 @@ from ..ir.graph import add_node, gc_paused
 log = logging.getLogger("loracc")
 
 FORMAT = 3
-EAGER_STAGES = ("captured", "joint")  # the stages ``decode`` decodes at once (lowering reads them)
-
-
-class Stages(collections.abc.MutableMapping):
-    """Stage graphs by name, in order; a stage read from a trace cache entry may be held undecoded
-    (a function that decodes it) until first read: lowering reads only ``captured`` and ``joint``,
-    while each forward pass's graph serves ``loracc dump``, verification and the passes' contract
-    checks. A decoded stage is decoded once, whichever copy (``copy``) reads it first."""
-
-    def __init__(self, stages=()):
-        self._stages = dict(stages)  # name → GraphModule, or a _Pending decoding it
-
-    def __getitem__(self, name: str) -> fx.GraphModule:
-        value = self._stages[name]
-        return value() if isinstance(value, _Pending) else value
-
-    def __setitem__(self, name: str, gm) -> None:
-        self._stages[name] = gm
-
-    def __delitem__(self, name: str) -> None:
-        del self._stages[name]
-
-    def __iter__(self):
-        return iter(self._stages)
-
-    def __len__(self) -> int:
-        return len(self._stages)
-
-    def copy(self) -> "Stages":
-        return Stages(self._stages)
-
-    def decoded(self, name: str) -> bool:
-        """Whether stage ``name`` has been decoded (or never needed decoding)."""
-        value = self._stages[name]
-        return not isinstance(value, _Pending) or value.done
-
-
-class _Pending:
-    """A stage's decoding, run once, at its first read."""
-
-    def __init__(self, decode: Callable[[], fx.GraphModule]):
-        self._decode, self._gm = decode, None
-
-    @property
-    def done(self) -> bool:
-        return self._gm is not None
-
-    def __call__(self) -> fx.GraphModule:
-        if self._gm is None:
-            with gc_paused():
-                self._gm = self._decode()
-            self._decode = None
-        return self._gm
 
 
 @dataclass
 class Traced:
     """What tracing a call gives: the captured forward, the graph of each stage up to the joint
-    (``captured``, one per forward pass, ``joint``), and each forward pass's report. ``stages``: a
-    dict, or ``Stages`` when read from the cache (the forward passes' graphs decoded when read)."""
+    (``captured``, one per forward pass, ``joint``), and each forward pass's report."""
 
     captured: CapturedForward
-    stages: dict[str, fx.GraphModule] | Stages
+    stages: dict[str, fx.GraphModule]
     reports: dict[str, dict]
 
 
@@ -565,9 +510,7 @@ def decode(data: dict, symbolic=None) -> Traced:
             if not bool(symbols.value(guard)):  # records the guard in shape_env, as the trace did
                 raise NotApplicable("a guard of the trace does not hold for this call's sizes")
     values = _FakeValues(data["tensors"], data["storages"], symbols)
-    # Lowering reads the captured and joint graphs; the forward passes' graphs are decoded when read.
-    stages = Stages({name: _load_graph(graph, values) if name in EAGER_STAGES else
-                     _Pending(functools.partial(_load_graph, graph, values)) for name, graph in data["stages"].items()})
+    stages = {name: _load_graph(graph, values) for name, graph in data["stages"].items()}
     captured = CapturedForward(gm=stages["captured"], param_names=list(data["param_names"]),
                                out_spec=_compat.treespec_loads(data["out_spec"]),
                                out_leaves=values.decode(data["out_leaves"]))
