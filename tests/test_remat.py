@@ -22,11 +22,12 @@ from loracc.passes.memory_plan import activation_bytes, value_bytes
 from loracc.passes.partition import is_random, split
 from loracc.options import Budget, parse_budget
 from loracc.passes.remat import FASTEST, Cut, saving_everything
-remat_module = importlib.import_module("loracc.passes.remat")  # the module (loracc.passes.remat is the pass)
 from conftest import rel_err
 from test_partition import assert_split_matches_joint, reads_of_backward
 
 pytest.importorskip("peft")
+
+remat_module = importlib.import_module("loracc.passes.remat")  # the module (loracc.passes.remat is the pass)
 
 BUDGETS = [None, 1.0, 0.5, 0.0]
 aten = torch.ops.aten
