@@ -29,6 +29,7 @@ order, so that they are recomputed one at a time rather than all at one price.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -402,10 +403,7 @@ def _flops(node: fx.Node) -> int | None:
     if packet is aten.convolution:
         # Per output element: one multiply-add per weight element of one output channel (the
         # weight's shape, not an indexed fake: that would dispatch an op).
-        per_channel = 1
-        for size in args[1].shape[1:]:
-            per_channel *= hint(size)
-        return 2 * hint(out.numel()) * per_channel
+        return 2 * hint(out.numel()) * hint(math.prod(args[1].shape[1:]))
     if packet in GEMMS:
         reduced = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
         return 2 * hint(out.numel()) * hint(reduced.shape[-1])
