@@ -12,7 +12,7 @@ or that are read before they write, are never recomputed: a mask is drawn once a
 LoRA layer's rank-r product ``su`` (the second output of ``loracc::lora_linear``, ``T × r``): only
 the layer's GEMM computes it, and no budget is worth recomputing a GEMM for so few bytes.
 
-How: a minimum s-t cut (networkx) of the joint graph. Every forward node is an edge ``in -> out``;
+How: a minimum s-t cut (``flow.source_side``) of the joint graph. Every forward node is an edge ``in -> out``;
 cutting it means saving the value (cost: its bytes; parameters cost nothing, graph inputs that are
 activations cost their bytes, views and tuples cannot be saved: their base or items are). A forward
 node on the backward side of the cut is recomputed; ``source -> in`` charges that: one tie-breaking
@@ -35,8 +35,6 @@ import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-import networkx as nx
-from networkx.algorithms.flow import shortest_augmenting_path
 import torch
 import torch.fx as fx
 
@@ -51,6 +49,7 @@ from .memory_plan import (
     PARAMETER_ROLES, RegionMemory, activation_bytes, aliased_input, is_mutation, peak_bytes, step_peak_bytes, storage_key,
 )
 from .contract import graph_problems, names, same_structure
+from .flow import Unbounded, source_side
 from .partition import backward_nodes, forward_nodes, is_random, joint_problems
 
 aten = torch.ops.aten
@@ -73,7 +72,7 @@ FASTEST = None  # the price of recomputing a GEMM or attention in the fastest pl
 PRICES = [FASTEST] + [Fraction(m, 4) * Fraction(2) ** e for e in range(8, -49, -1) for m in (7, 6, 5, 4)] + [Fraction(0)]
 REFINE_STEPS = 10
 SEARCH = "search"  # remat's price when the budget chooses it
-SOURCE, SINK = "source", "sink"
+SOURCE, SINK = 0, 1  # the cut's vertices; forward nodes from 2 on (Cut._solve)
 _save_everything = False
 
 
@@ -279,37 +278,37 @@ class Cut:
     def _solve(self, price) -> list[fx.Node]:
         """Saved nodes of the minimum cut at ``price``. Capacities are the objective
         ``bytes + ties / tie_scale + price × FLOPs × (1 + rank / spread)`` times ``den × spread × tie_scale``
-        (exact integers); an edge without capacity is infinite."""
+        (exact integers); an edge without capacity (None) is infinite. Vertex ``2 + 2i`` is forward
+        node ``i``'s input side, ``3 + 2i`` its output side (cutting between them saves the value)."""
         num, den = (0, 1) if price is FASTEST else (price.numerator, price.denominator)
         unit = den * self.spread
-        graph = nx.DiGraph()
-        graph.add_nodes_from([SOURCE, SINK])
+        index = {n: 2 + 2 * i for i, n in enumerate(self.forward)}
+        edges = []
         for n in self.forward:
+            v = index[n]
             save = self.save_bytes[n]
-            graph.add_edge((n, "in"), (n, "out"), **({} if save is None else {"capacity": unit * self.tie_scale * save}))
+            edges.append((v, v + 1, None if save is None else unit * self.tie_scale * save))
             if n in self.fixed or (n in self.cost and (price is FASTEST or (self.cost[n] is None and num))):
-                graph.add_edge(SOURCE, (n, "in"))
+                edges.append((SOURCE, v, None))
             elif n in self.cost:
                 flops = num and self.tie_scale * self.cost[n]  # at price 0, FLOPs (known or not) cost nothing
-                graph.add_edge(SOURCE, (n, "in"), capacity=2 * unit + num * flops)
+                edges.append((SOURCE, v, 2 * unit + num * flops))
             else:
-                graph.add_edge(SOURCE, (n, "in"), capacity=unit)
+                edges.append((SOURCE, v, unit))
             for user in n.users:
                 if user.op != "output":
-                    graph.add_edge((n, "out"), SINK if user in self.backward else (user, "in"))
+                    edges.append((v + 1, SINK if user in self.backward else index[user], None))
         for g in self.grads:
             if g not in self.backward:
-                graph.add_edge((g, "out"), SINK)
+                edges.append((index[g] + 1, SINK, None))
         try:
-            # The cut networkx returns (what cannot reach the sink in the residual network) is the
-            # same for every maximum flow; shortest augmenting paths rather than its default,
-            # preflow-push: decision 023.
-            _, (reachable, _) = nx.minimum_cut(graph, SOURCE, SINK, flow_func=shortest_augmenting_path)
-        except nx.NetworkXUnbounded as exc:
+            # The source side closest to the source: the same for every maximum flow (decision 023).
+            reachable = source_side(2 + 2 * len(self.forward), edges, SOURCE, SINK)
+        except Unbounded as exc:
             raise Unsupported("remat found no way to split the forward from the backward: the backward needs a "
                               "value that can be neither saved nor recomputed") from exc
         self.solved += 1
-        return [n for n in self.nodes if (n, "in") in reachable and (n, "out") not in reachable]
+        return [n for n in self.forward if index[n] in reachable and index[n] + 1 not in reachable]
 
 
 def search_prices(fits) -> Fraction | None:
