@@ -102,7 +102,7 @@ def gc_paused():
     ever, and a reference cycle made inside is collected by the next collection after it.
 
     Why: building a graph allocates tens of thousands of objects that live on (nodes, their
-    metadata, fake tensors), and JSON or networkx data that dies right after. The collector counts
+    metadata, fake tensors), and JSON or flow-network data that dies right after. The collector counts
     allocations, not garbage: every so many allocations it traverses the youngest objects, and once
     the objects that survived grow by a quarter of the older ones, every object of the process (the
     model, torch, every graph built so far), whatever little there is to free. While regions

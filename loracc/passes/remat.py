@@ -302,7 +302,7 @@ class Cut:
             if g not in self.backward:
                 edges.append((index[g] + 1, SINK, None))
         try:
-            # The source side closest to the source: the same for every maximum flow (decision 023).
+            # What cannot reach the sink in the residual network: the same for every maximum flow (decisions 023, 041).
             reachable = source_side(2 + 2 * len(self.forward), edges, SOURCE, SINK)
         except Unbounded as exc:
             raise Unsupported("remat found no way to split the forward from the backward: the backward needs a "
