@@ -6,6 +6,7 @@ graphs through the runtime's ``Replayers``) and installs the regions (``frontend
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -50,9 +51,11 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     ``cuda_graphs`` (Triton backend on CUDA; see ``loracc/runtime/cuda_graphs.py``): ``"auto"`` replays a
     compiled graph as a CUDA graph where, timed at its second and third calls, a replay is clearly faster than
     running it from Python (docs/decisions/001-cuda-graph-policy.md); a program with symbolic sizes
-    (a region's second call size on) runs from Python. Only with the fastest plan
-    (``memory_budget=None``): each layer's graphs keep buffers for their inputs and outputs, memory a
-    budget did not plan for. ``True`` replays every compiled graph from its second call on, ``False`` none.
+    (a region's second call size on) runs from Python. Each layer's graphs keep buffers for their
+    inputs and outputs and a workspace apart from the rest of the step: with a byte budget they are
+    tried only once every region has run, and only where the step's predicted peak with those
+    buffers fits the budget (else every graph runs from Python, and ``explain`` says why); with a
+    fraction, never. ``True`` replays every compiled graph from its second call on, ``False`` none.
     ``verify``: the first call of every graph loracc compiles also runs eagerly on the same inputs
     (the same dropout masks) and their outputs and gradients are compared within dtype-aware
     tolerances (``loracc/runtime/verify.py``); a region that differs warns (what differed, by how much,
@@ -85,7 +88,8 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
         )
     trainable, frozen = count_parameters(model)
     state = CompiledState(
-        regions=[], backend=get_backend(backend, device, cuda_graphs=graph_mode(cuda_graphs, memory_budget), graphs=Replayers),
+        regions=[], backend=get_backend(backend, device, cuda_graphs=graph_mode(cuda_graphs, memory_budget),
+                                        graphs=functools.partial(Replayers, gated=_gated(cuda_graphs, memory_budget))),
         lora_layers=lora_layers,
         trainable_params=trainable, frozen_params=frozen, memory_budget=memory_budget,
         persistent_bytes=persistent_bytes(model, optimizer_state),
@@ -114,6 +118,12 @@ def uncompile(model: nn.Module) -> nn.Module:
                     module.forward = state.previous_forwards[id(module)]
         del model._loracc
     return model
+
+
+def _gated(cuda_graphs, budget) -> bool:
+    """Whether ``cuda_graphs="auto"`` under a byte ``budget``: the graphs wait for the step's memory
+    to let them in (``runtime.cuda_graphs.Replayers``)."""
+    return cuda_graphs == "auto" and parse_budget(budget).limit_bytes is not None
 
 
 def _check_budget(budget) -> None:

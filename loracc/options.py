@@ -82,7 +82,10 @@ def parse_optimizer_state(value) -> str:
 
 def graph_mode(cuda_graphs, memory_budget) -> str:
     """``loracc.compile``'s ``cuda_graphs`` (``True``, ``False`` or ``"auto"``) as a mode: ``"auto"``
-    only with the fastest plan (a budget did not plan for the graphs' buffers)."""
+    with the fastest plan and with a byte limit (whose step replays graphs only where their buffers
+    fit it: ``runtime.memory.StepMemory.settle``), ``"off"`` with a fraction (nothing to fit the
+    graphs' buffers against)."""
     if cuda_graphs == "auto":
-        return "auto" if memory_budget is None else "off"
+        budget = parse_budget(memory_budget)
+        return "off" if budget.fraction is not None else "auto"
     return "on" if cuda_graphs else "off"

@@ -114,11 +114,11 @@ def test_cuda_graphs_need_the_triton_backend_on_a_gpu():
         loracc.compile(model, cuda_graphs="yes")
 
 
-def test_auto_graphs_only_with_the_fastest_plan_on_a_gpu():
+def test_auto_graphs_with_the_fastest_plan_or_a_byte_limit_on_a_gpu():
     from loracc.options import graph_mode
 
-    assert graph_mode("auto", None) == "auto"
-    assert graph_mode("auto", 0.5) == "off" and graph_mode("auto", "8GB") == "off"
+    assert graph_mode("auto", None) == "auto" and graph_mode("auto", "8GB") == "auto"  # the latter gated
+    assert graph_mode("auto", 0.5) == "off"
     assert graph_mode(True, "8GB") == "on" and graph_mode(False, None) == "off"
     model, batch = presets.preset("llama")
     model = loracc.compile(model)  # on the CPU: "auto" means nothing is graphed, no error
@@ -260,6 +260,57 @@ def test_auto_keeps_a_graph_only_where_a_replay_is_clearly_faster(fake_capture):
     # the graphs share one pool: the second capture took its handle from the first graph
     assert _FakeGraphed.captured[0].pool == ("new pool",)
     assert _FakeGraphed.captured[1].pool == ("pool of", id(_FakeGraphed.captured[0]))
+
+
+def test_under_a_byte_budget_auto_graphs_wait_for_the_step_and_replay_only_where_they_fit(request):
+    """A byte budget's graphs (``Replayers(gated=True)``) run from Python until the step has
+    settled; then they replay where the step's predicted peak with their buffers fits the limit, and
+    run from Python for good, saying why, where it does not. Symbolic graphs stay plain callables."""
+    from loracc.runtime.cuda_graphs import Replayers
+    from loracc.runtime.memory import cuda_graph_bytes
+
+    model, batch = presets.preset("llama")
+    model = loracc.compile(model, backend="eager", memory_budget=10**12)
+    model(**batch).loss.backward()
+    # Faked captures only from here: the fixture stands in for torch.cuda's classes, which a model
+    # library's module may read while it is imported (above).
+    request.getfixturevalue("fake_capture").update(fwd=0.5, bwd=0.5)
+    region = next(r for r in model._loracc.regions if r.kind == "block")
+    step, program = region.step, region.latest
+    assert step.settled is False
+    plain = step.predicted_peak_bytes()
+
+    def wrapped():
+        graphs = Replayers(gated=True)
+        assert graphs(_named("sym"), "symbolic graph", mode="auto", symbolic=True).__name__ == "sym"
+        forward = graphs(_named("fwd"), "forward graph", mode="auto")
+        backward = graphs(_named("bwd"), "backward graph", mode="auto", after=forward)
+        program.forward, program.backward = forward, backward
+        return graphs, forward, backward
+
+    x = torch.randn(3)
+    graphs, forward, backward = wrapped()
+    for _ in range(4):
+        assert torch.equal(forward(x)[0], x + 1) and torch.equal(backward(x)[0], x + 1)
+    assert not _FakeGraphed.captured and forward.decision is None and graphs.pool.graphs_allowed is None
+    graphed_peak = step.predicted_peak_bytes()
+    assert graphed_peak - plain == cuda_graph_bytes([(program, region.repeats)]) > 0  # counted while they may replay
+
+    step._admit_graphs(graphed_peak)  # room for them: they time and capture from the next calls on
+    assert graphs.pool.graphs_allowed is True
+    for _ in range(3):
+        forward(x)
+        backward(x)
+    assert forward.graphed is not None and backward.graphed is not None
+
+    graphs, forward, backward = wrapped()
+    step._admit_graphs(graphed_peak - 1)  # one byte short
+    for _ in range(4):
+        assert torch.equal(forward(x)[0], x + 1) and torch.equal(backward(x)[0], x + 1)
+    assert forward.graphed is None and backward.graphed is None and not forward.may_graph
+    assert forward.decision.startswith("runs from Python: with its CUDA graphs' buffers the step's predicted peak")
+    assert "would pass memory_budget" in backward.decision
+    assert step.predicted_peak_bytes() == plain  # decided against: their buffers are not counted
 
 
 def test_auto_backward_follows_its_forward_and_a_failed_capture_stays_in_python(fake_capture, caplog):

@@ -71,6 +71,10 @@ class SharedPool:
         self.live: weakref.WeakSet[Graphed] = weakref.WeakSet()
         self.lent: weakref.WeakSet[Lease] = weakref.WeakSet()
         self._buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # see copy_buffers
+        # Whether graphs of mode "auto" may capture: True; None, not yet (a byte budget's step has
+        # not settled); False, never (their buffers would pass it), ``closed_because`` says why.
+        self.graphs_allowed: bool | None = True
+        self.closed_because = ""
 
     def warm_up_stream(self) -> torch.cuda.Stream:
         """One side stream for every warm-up before a capture: cuBLAS keeps a workspace per stream it
@@ -200,18 +204,29 @@ class Replayers:
     """The wrapper a backend hands each compiled graph that may replay as a CUDA graph (codegen
     returns plain callables; the runtime decides how they run): every graph it wraps is a
     ``Replayer`` capturing into this one ``SharedPool``. A backend makes one (one per device), so
-    that every graph of a model on that device shares the pool."""
+    that every graph of a model on that device shares the pool.
 
-    def __init__(self):
+    ``gated`` (a model with a byte ``memory_budget``): graphs of mode ``"auto"`` wait, running from
+    Python, until the step's memory opens the pool to them (``SharedPool.graphs_allowed``, set by
+    ``runtime.memory.StepMemory.settle`` once every region has run, where the step's predicted peak
+    with the graphs' buffers fits the budget); a symbolic graph then runs from Python (its sized
+    graphs' arena is in no prediction)."""
+
+    def __init__(self, gated: bool = False):
+        self.gated = gated
         self.pool = SharedPool()
+        self.pool.graphs_allowed = None if gated else True
         self.sized_pool = SharedPool()  # the sized graphs' temporaries: apart from the lent outputs above
         self.arena: Arena | None = None
 
     def __call__(self, fn, name: str, *, mode: str, after=None, symbolic: bool = False, **options):
         """``fn`` as a ``Replayer``; ``after``: what the same region's forward compiled to (a
         ``Replayer`` or not), ``options``: ``Replayer``'s keyword arguments. A ``symbolic`` graph
-        (its batch and sequence sizes symbols) becomes ``SizedGraphs`` instead: a graph per size."""
+        (its batch and sequence sizes symbols) becomes ``SizedGraphs`` instead: a graph per size
+        (``fn`` itself where ``gated``)."""
         if symbolic:
+            if self.gated:
+                return fn
             if self.arena is None:
                 self.arena = Arena()
             return SizedGraphs(fn, name, self.arena, self.sized_pool)
@@ -276,6 +291,10 @@ class Replayer:
         self.lease = None
         if self.kept:
             return self._replay(inputs, lease)
+        if self.mode == "auto" and self.pool.graphs_allowed is not True:
+            if self.pool.graphs_allowed is False and self.decision is None:
+                self.decision = f"runs from Python: {self.pool.closed_because}"
+            return self.fn(*inputs)
         if self.calls < 2 or self.decision is not None or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             return self.fn(*inputs)
         if self.mode == "auto" and self.after is not None and not self.after.kept:

@@ -141,10 +141,20 @@ class StepMemory:
         again at it (``Region.replan``); programs compiled later plan at it where their step fits
         (``price``). Returns the price chosen as remat reports it (``passes.remat.report_price``),
         None if there was nothing to settle or no price fits (the provisional plans stay: they fit).
-        A step whose backward never runs leaves the plans provisional."""
+        A step whose backward never runs leaves the plans provisional.
+
+        Then the CUDA graphs waiting for it (``cuda_graphs="auto"`` under a byte budget,
+        ``cuda_graphs.Replayers``) may replay if the step's predicted peak with their buffers
+        (``predicted_peak_bytes``) fits ``limit_bytes``; else they run from Python for good."""
         if self.settled or self.in_flight or any(not r.programs for r in self.regions):
             return None
         self.settled = True  # every region has run: no program compiled from now on is provisional
+        chosen = self._settle_price(limit_bytes)
+        self._admit_graphs(limit_bytes)
+        return chosen
+
+    def _settle_price(self, limit_bytes: int) -> float | str | None:
+        """``settle``'s price: every region planned again at the highest that fits, if any was planned provisionally."""
         if not any(_provisional(p) for r in self.regions for p in r.compiled_programs):
             return None
         cuts = [(r, Cut(r.latest.stages["joint"], r.latest.n_outputs)) for r in self.regions if r.latest is not None]
@@ -160,6 +170,20 @@ class StepMemory:
         for region, _ in cuts:
             region.replan(price, chosen)
         return chosen
+
+    def _admit_graphs(self, limit_bytes: int) -> None:
+        """Open the pools whose graphs wait for the settled plans (``SharedPool.graphs_allowed`` None)
+        where the step's predicted peak, the graphs' buffers included, fits ``limit_bytes``; else
+        close them for good, saying why."""
+        pools = {id(f.pool): f.pool for r in self.regions for p in r.compiled_programs
+                 for f in (p.forward, p.backward) if isinstance(f, Replayer) and f.pool.graphs_allowed is None}
+        if not pools:
+            return
+        peak = self.predicted_peak_bytes()
+        for pool in pools.values():
+            pool.graphs_allowed = peak is not None and peak <= limit_bytes
+            pool.closed_because = (f"with its CUDA graphs' buffers the step's predicted peak ({(peak or 0) / 2**30:.2f} "
+                                   f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB)")
 
 
 def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:
