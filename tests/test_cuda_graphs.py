@@ -293,6 +293,7 @@ def test_under_a_byte_budget_auto_graphs_wait_for_the_step_and_replay_only_where
     for _ in range(4):
         assert torch.equal(forward(x)[0], x + 1) and torch.equal(backward(x)[0], x + 1)
     assert not _FakeGraphed.captured and forward.decision is None and graphs.pool.graphs_allowed is None
+    assert "forward: runs from Python until every region has run (a byte budget" in str(loracc.explain(model))
     graphed_peak = step.predicted_peak_bytes()
     assert graphed_peak - plain == cuda_graph_bytes([(program, region.repeats)]) > 0  # counted while they may replay
 

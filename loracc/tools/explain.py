@@ -180,7 +180,10 @@ def _graph_decisions(region) -> list[str]:
             elif program.dynamic:
                 decisions.append(f"{label}{stage}: runs from Python (symbolic sizes; cuda_graphs off, or a region run once a step)")
             elif isinstance(fn, Replayer):
-                decision = fn.decision or "not decided yet whether to replay as a CUDA graph (decides at its third call)"
+                decision = fn.decision or (
+                    "runs from Python until every region has run (a byte budget: then it may replay as a CUDA graph "
+                    "where the step's predicted peak with its buffers fits)" if fn.mode == "auto" and fn.pool.graphs_allowed is None
+                    else "not decided yet whether to replay as a CUDA graph (decides at its third call)")
                 decisions.append(f"{label}{stage}: {decision}")
     return decisions
 
