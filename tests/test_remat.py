@@ -189,25 +189,14 @@ def test_a_region_planned_before_others_have_run_takes_the_smaller_own_peak(bloc
 
 
 def test_the_cut_is_networkx_s_at_every_price(block, monkeypatch):
-    """``flow.source_side`` gives the cut networkx's maximum flows give (what the source reaches in
+    """``flow.source_side`` gives the cut networkx's maximum flows give (what cannot reach the sink in
     the residual network: the same for every maximum flow), at every price tried."""
-    import importlib
+    from test_flow import networkx_side
 
-    import networkx as nx
-
-    module = importlib.import_module("loracc.passes.remat")
     _, joint, n_outputs = block
-    prices = [FASTEST, *module.PRICES[::4]]
+    prices = [FASTEST, *remat_module.PRICES[::4]]
     plans = [Cut(joint, n_outputs).plan(price).saved for price in prices]
-
-    def networkx_side(n_vertices, edges, source, sink):
-        graph = nx.DiGraph()
-        graph.add_nodes_from(range(n_vertices))
-        for tail, head, capacity in edges:
-            graph.add_edge(tail, head, **({} if capacity is None else {"capacity": capacity}))
-        return nx.minimum_cut(graph, source, sink)[1][0]
-
-    monkeypatch.setattr(module, "source_side", networkx_side)
+    monkeypatch.setattr(remat_module, "source_side", lambda *args: networkx_side(*args)[1])
     assert [Cut(joint, n_outputs).plan(price).saved for price in prices] == plans
     assert len({tuple(p) for p in plans}) > 1  # the prices give different cuts
 

@@ -180,10 +180,12 @@ class StepMemory:
         if not pools:
             return
         peak = self.predicted_peak_bytes()
+        fits = peak is not None and peak <= limit_bytes
         for pool in pools.values():
-            pool.graphs_allowed = peak is not None and peak <= limit_bytes
-            pool.closed_because = (f"with its CUDA graphs' buffers the step's predicted peak ({(peak or 0) / 2**30:.2f} "
-                                   f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB)")
+            pool.graphs_allowed = fits
+            if not fits:
+                pool.closed_because = (f"with its CUDA graphs' buffers the step's predicted peak ({(peak or 0) / 2**30:.2f} "
+                                       f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB)")
 
 
 def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:

@@ -178,7 +178,7 @@ def _graph_decisions(region) -> list[str]:
             if isinstance(fn, SizedGraphs):
                 decisions.append(f"{label}{stage}: symbolic sizes, {fn.decision}")
             elif program.dynamic:
-                decisions.append(f"{label}{stage}: runs from Python (symbolic sizes; cuda_graphs off, or a region run once a step)")
+                decisions.append(f"{label}{stage}: runs from Python (symbolic sizes; cuda_graphs off, a byte budget, or a region run once a step)")
             elif isinstance(fn, Replayer):
                 decision = fn.decision or (
                     "runs from Python until every region has run (a byte budget: then it may replay as a CUDA graph "
