@@ -182,14 +182,14 @@ def test_concurrent_writers_never_leave_a_partial_file(tmp_path):
 def test_autotune_times_once_then_remembers(monkeypatch):
     fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
     monkeypatch.setattr(cache, "environment", lambda device: fake_env)
-    monkeypatch.setattr(autotune, "measure", lambda c: {"triton a": 2.0, "triton b": 1.0, "cublas": "failed: no"})
+    monkeypatch.setattr(autotune, "measure", lambda c, frugal=False: {"triton a": 2.0, "triton b": 1.0, "cublas": "failed: no"})
     candidates = {"triton a": None, "triton b": None, "cublas": None}
     description = {"op": "lora_linear", "kernel": "k", "rows": 64}
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton b"
     record = cache.load_choice({**description, **fake_env, "timed": autotune.TIMED})
     assert record["timings_ms"]["cublas"] == "failed: no"
 
-    def must_not_measure(c):
+    def must_not_measure(c, frugal=False):
         raise AssertionError("a remembered choice was timed again")
 
     monkeypatch.setattr(autotune, "measure", must_not_measure)
@@ -197,8 +197,39 @@ def test_autotune_times_once_then_remembers(monkeypatch):
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton b"
     cache.autotune_path({**description, **fake_env, "timed": autotune.TIMED}).write_text("{trunc")
     monkeypatch.setattr(autotune, "_chosen", {})
-    monkeypatch.setattr(autotune, "measure", lambda c: {"triton a": 1.0, "triton b": 3.0, "cublas": 2.0})
+    monkeypatch.setattr(autotune, "measure", lambda c, frugal=False: {"triton a": 1.0, "triton b": 3.0, "cublas": 2.0})
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton a"
+
+
+def test_within_a_byte_budget_candidates_are_timed_frugally_and_kept_apart(monkeypatch):
+    """Inside ``within_budget`` the candidates are timed frugally and the choice is kept under its
+    own key: a process without a budget times that shape again the usual way; a process with a
+    budget takes the usual choice first, else the frugal one."""
+    fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
+    monkeypatch.setattr(cache, "environment", lambda device: fake_env)
+    calls = []
+
+    def measure(candidates, frugal=False):
+        calls.append(frugal)
+        return {"a": 1.0, "b": 2.0} if frugal else {"a": 2.0, "b": 1.0}
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    candidates, cuda = {"a": None, "b": None}, torch.device("cuda")
+    description = {"op": "lora_linear", "kernel": "k", "rows": 64}
+    with autotune.within_budget():
+        with autotune.within_budget(False):  # nested, inactive: still within the outer one
+            assert autotune.choose(description, candidates, cuda) == "a"
+    assert calls == [True]
+    assert cache.load_choice({**description, **fake_env, "timed": autotune.TIMED_WITHIN_BUDGET})["choice"] == "a"
+    assert cache.load_choice({**description, **fake_env, "timed": autotune.TIMED}) is None
+    assert autotune._within_budget == 0
+    monkeypatch.setattr(autotune, "_chosen", {})  # a new process, no budget: times again, the usual way
+    assert autotune.remembered(description, candidates, cuda) is None
+    assert autotune.choose(description, candidates, cuda) == "b" and calls == [True, False]
+    monkeypatch.setattr(autotune, "_chosen", {})  # a new process with a budget: the usual choice first
+    with autotune.within_budget():
+        assert autotune.remembered(description, candidates, cuda) == "b"
+        assert autotune.choose(description, candidates, cuda) == "b" and calls == [True, False]
 
 
 def test_interpreter_runs_first_candidate_untimed():
@@ -243,6 +274,32 @@ def test_autotune_times_gpu_work_replayed_and_what_cannot_be_captured_from_pytho
     assert isinstance(timings["synchronizes"], float) and timings["fails"].startswith("failed: RuntimeError")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA kernels")
+def test_frugal_timing_allocates_only_what_the_candidates_calls_do():
+    """Timed frugally, a candidate's timing holds no L2 flush buffer and no captured graph's pool:
+    the peak over the timing is the candidate's own output, and the allocator reserves nothing new
+    once the first call has; the usual timing holds the flush buffer besides."""
+    x = torch.randn(1000, 1000, device="cuda")
+    out_bytes = -(-x.numel() * x.element_size() // 512) * 512  # as the caching allocator rounds it
+
+    def candidate():
+        return x * 2.0
+
+    candidate()
+    torch.cuda.synchronize()
+    for frugal in (True, False):
+        base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        timings = autotune.measure({"c": candidate}, reps=5, frugal=frugal)
+        extra = torch.cuda.max_memory_allocated() - base
+        assert isinstance(timings["c"], float) and timings["c"] > 0
+        grown = torch.cuda.memory_reserved() - reserved
+        if frugal:
+            assert extra <= out_bytes and grown == 0, (extra, out_bytes, grown)
+        else:
+            assert extra > out_bytes, (extra, out_bytes)  # the flush buffer besides
+
+
 def test_autotune_narrows_a_bucket_next_to_a_timed_one(monkeypatch):
     """A new bucket of rows times only the candidates that came within NEIGHBOUR_SLACK of the
     adjacent bucket's fastest (that one's choice always among them); a bucket with no timed
@@ -251,7 +308,7 @@ def test_autotune_narrows_a_bucket_next_to_a_timed_one(monkeypatch):
     monkeypatch.setattr(cache, "environment", lambda device: fake_env)
     timed_sets = []
 
-    def measure(candidates):
+    def measure(candidates, frugal=False):
         timed_sets.append(sorted(candidates))
         return {"a": 1.0, "b": 1.2, "c": 2.0, "d": "failed: too much shared memory"}
 

@@ -53,6 +53,26 @@ def test_tighter_byte_limit_saves_less():
     assert sum(saved) < sum(r.saved_bytes for r in loose.regions)
 
 
+@pytest.mark.parametrize("budget, within", [("2GB", True), (None, False), (0.5, False)])
+def test_kernels_autotuned_in_a_byte_budgeted_region_are_timed_within_it(monkeypatch, budget, within):
+    """A region planned to a byte budget runs its forward and its backward inside
+    ``autotune.within_budget`` (candidates timed without memory of their own); without a budget, or
+    with a fraction (no byte limit), the usual way."""
+    from loracc.codegen import autotune
+
+    seen = []
+    real = autotune.within_budget
+
+    def recording(active=True):
+        seen.append(bool(active))
+        return real(active)
+
+    monkeypatch.setattr(autotune, "within_budget", recording)
+    _trained(budget)
+    assert len(seen) >= 4 and set(seen) == {within}  # two regions, forward and backward each
+    assert autotune._within_budget == 0
+
+
 def test_impossible_byte_limit_names_the_smallest_peak():
     model, batch = presets.preset("llama", layers=3, **BIGGER)
     loracc.compile(model, memory_budget=2**20 + 1)

@@ -13,10 +13,16 @@ a varying-length run meets its buckets one by one, each in a step of its own.
 Candidates must compute the same result (their tests check that against the reference); one that
 fails to compile or launch (too much shared memory for a config, say) is left out, with the error
 kept in the record. Under the Triton interpreter nothing is timed: the first candidate runs.
+While a region planned to a byte ``memory_budget`` runs (``within_budget``), candidates are timed
+launched from Python, with no L2 flush buffer and no captures: they allocate what the call itself
+would, no more (docs/decisions/044-autotuning-within-a-byte-budget.md). Such a choice is kept under
+its own key, so a process without a budget times that shape again the usual way; a process with a
+budget takes either.
 Which candidates exist, and why they are timed this way: docs/decisions/004-autotune-candidates.md.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
@@ -31,6 +37,8 @@ log = logging.getLogger("loracc")
 
 # How candidates are timed: part of a cached choice's key, so choices timed another way are made again.
 TIMED = "replayed as a CUDA graph where it can be captured"
+TIMED_WITHIN_BUDGET = "launched from Python, L2 not flushed (within a byte memory budget)"
+_within_budget = 0  # how many ``within_budget`` contexts are open
 _chosen: dict[str, str] = {}
 # What each timed choice was, for ``loracc kernels`` and the backend's report (in this process).
 decisions: dict[str, dict] = {}
@@ -41,9 +49,36 @@ def _memo_key(description: dict) -> str:
     return json.dumps(description, sort_keys=True)
 
 
-def _record_key(description: dict, device: torch.device) -> dict:
-    """``description``'s key in the on-disk cache: with the device's environment and how candidates are timed."""
-    return {**description, **cache.environment(device), "timed": TIMED}
+@contextlib.contextmanager
+def within_budget(active: bool = True):
+    """While open (and ``active``), candidates are timed as ``TIMED_WITHIN_BUDGET`` says: a region
+    whose step is planned to a byte memory budget runs inside it, forward and backward. Nests."""
+    global _within_budget
+    _within_budget += bool(active)
+    try:
+        yield
+    finally:
+        _within_budget -= bool(active)
+
+
+def _timing() -> str:
+    """How candidates timed now are timed: ``TIMED``, or ``TIMED_WITHIN_BUDGET`` inside ``within_budget``."""
+    return TIMED_WITHIN_BUDGET if _within_budget else TIMED
+
+
+def _record_key(description: dict, device: torch.device, timed: str = TIMED) -> dict:
+    """``description``'s key in the on-disk cache: with the device's environment and how candidates were ``timed``."""
+    return {**description, **cache.environment(device), "timed": timed}
+
+
+def _load_record(description: dict, device: torch.device) -> dict | None:
+    """The on-disk choice for ``description``: timed the usual way, or, inside ``within_budget``,
+    also one timed within a budget."""
+    for timed in dict.fromkeys((TIMED, _timing())):
+        record = cache.load_choice(_record_key(description, device, timed))
+        if record is not None:
+            return record
+    return None
 
 
 def remembered(description: dict, candidates, device: torch.device) -> str | None:
@@ -52,7 +87,7 @@ def remembered(description: dict, candidates, device: torch.device) -> str | Non
     choice = _chosen.get(_memo_key(description))
     if choice in candidates:
         return choice
-    record = cache.load_choice(_record_key(description, device))
+    record = _load_record(description, device)
     return record["choice"] if record is not None and record["choice"] in candidates else None
 
 
@@ -62,19 +97,19 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     choice = _chosen.get(memo_key)
     if choice in candidates:
         return choice
-    full = _record_key(description, device)
-    record = cache.load_choice(full)
+    record = _load_record(description, device)
     if record is not None and record["choice"] in candidates:
         choice, source = record["choice"], "cache"
     elif device.type != "cuda":
         choice, source, record = next(iter(candidates)), "interpreter: first candidate, not timed", None
     else:
-        timings = measure(_narrowed(description, candidates, device))
+        frugal = bool(_within_budget)
+        timings = measure(_narrowed(description, candidates, device), frugal=frugal)
         timed = {name: t for name, t in timings.items() if isinstance(t, float)}
         if not timed:
             raise RuntimeError(f"loracc: no implementation of {description} ran: {timings}")
-        choice, source = min(timed, key=timed.get), "timed"
-        cache.store_choice(full, choice, timings)
+        choice, source = min(timed, key=timed.get), "timed within a byte budget" if frugal else "timed"
+        cache.store_choice(_record_key(description, device, _timing()), choice, timings)
         record = {"timings_ms": timings}
     _chosen[memo_key] = choice
     log.info("kernel %s (rows <= %s): %s (%s)", description.get("kernel"), description.get("rows"), choice, source)
@@ -99,9 +134,9 @@ def _narrowed(description: dict, candidates: dict, device: torch.device) -> dict
     for other in (rows * 2, rows // 2):
         neighbour = {**description, "rows": other}
         done = decisions.get(_memo_key(neighbour))
-        timings = done["timings_ms"] if done and done.get("source") == "timed" else None
+        timings = done["timings_ms"] if done and done.get("source", "").startswith("timed") else None
         if timings is None:
-            record = cache.load_choice(_record_key(neighbour, device))
+            record = _load_record(neighbour, device)
             timings = record and record.get("timings_ms")
         timed = {name: t for name, t in (timings or {}).items() if isinstance(t, float) and name in candidates}
         if timed:
@@ -111,25 +146,28 @@ def _narrowed(description: dict, candidates: dict, device: torch.device) -> dict
     return candidates
 
 
-def measure(candidates: dict[str, Callable[[], object]], reps: int = 25) -> dict[str, float | str]:
+def measure(candidates: dict[str, Callable[[], object]], reps: int = 25, frugal: bool = False) -> dict[str, float | str]:
     """Median milliseconds of each candidate (CUDA events, L2 flushed before each run), or why it could not run.
 
     The flush buffer is the size of the GPU's L2 cache, no more: autotuning happens inside the first
     step, where a larger scratch buffer (Triton's ``do_bench`` takes 256 MB) would raise the step's peak.
+    ``frugal``: no flush buffer and no captures, each candidate launched from Python: the timing
+    allocates only what a candidate's own call does (``TIMED_WITHIN_BUDGET``).
     """
     device = torch.device("cuda", torch.cuda.current_device())
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
-    flush = torch.empty(l2, dtype=torch.int8, device=device)
+    flush = None if frugal else torch.empty(l2, dtype=torch.int8, device=device)
     timings: dict[str, float | str] = {}
     for name, fn in candidates.items():
         try:
             for _ in range(3):  # compiles on the first call; a config that cannot run raises here
                 fn()
-            graph = _captured(fn)
+            graph = None if frugal else _captured(fn)
             run = fn if graph is None else graph.replay
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
             for start, end in events:
-                flush.zero_()
+                if flush is not None:
+                    flush.zero_()
                 start.record()
                 run()
                 end.record()

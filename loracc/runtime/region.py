@@ -35,6 +35,7 @@ from .. import _compat
 from ..capture.trace import call_signature, module_state, tensor_key
 from ..capture import trace_cache
 from ..capture.trace_cache import NotCached
+from ..codegen import autotune
 from ..errors import Unsupported
 from ..options import parse_budget
 from ..passes.remat import SEARCH
@@ -69,14 +70,17 @@ def _read_from_cache(program: Program) -> bool:
 
 
 class _RegionFunction(torch.autograd.Function):
+    # step: the region's runtime.memory.StepMemory, or None; budgeted: the step is planned to a byte
+    # memory budget (kernels autotuned in the call are timed within it: codegen.autotune.within_budget)
     @staticmethod
-    def forward(ctx, program: Program, step, *inputs):  # step: the region's runtime.memory.StepMemory, or None
+    def forward(ctx, program: Program, step, budgeted: bool, *inputs):
         if step is not None:  # a backward to come (StepMemory.in_flight)
             step.forward_call(program)
-        with _compat.autocast_off():  # the graphs hold the casts autocast made while they were traced
+        # The graphs hold the casts autocast made while they were traced.
+        with _compat.autocast_off(), autotune.within_budget(budgeted):
             results = program.forward(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
-        ctx.program, ctx.step = program, step
+        ctx.program, ctx.step, ctx.budgeted = program, step, budgeted
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
         # reads it in the graph's memory, and releases it.
         ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
@@ -90,7 +94,7 @@ class _RegionFunction(torch.autograd.Function):
         tangents = [g.contiguous() for g, d in zip(grad_outputs, program.differentiable) if d]
         lease = ctx.lease
         check_lease(lease)
-        with _compat.autocast_off():
+        with _compat.autocast_off(), autotune.within_budget(ctx.budgeted):
             if isinstance(program.backward, Replayer):
                 grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
             else:
@@ -103,7 +107,7 @@ class _RegionFunction(torch.autograd.Function):
         result = [None] * program.n_inputs
         for index, grad in zip(program.grad_inputs, grads):
             result[index] = grad
-        return (None, None, *result)
+        return (None, None, None, *result)
 
 
 @dataclass
@@ -200,7 +204,7 @@ class Region:
         # A call with no input needing a gradient (a frozen block before the first LoRA layer) has
         # no backward: it leaves nothing in flight (StepMemory.in_flight).
         step = self.step if any(t.requires_grad for t in state + signature.tensors) else None
-        outputs = _RegionFunction.apply(program, step, *state, *signature.tensors)
+        outputs = _RegionFunction.apply(program, step, self.limit_bytes is not None, *state, *signature.tensors)
         return program.captured.rebuild_output(outputs)
 
     def _verify(self, program: Program, module, path, eager_forward, signature) -> bool:
@@ -208,7 +212,7 @@ class Region:
         self._verified[id(program)] = program
         names, state = module_state(module)
         result = verification.verify_call(program, eager_forward, names, state, signature,
-                                          lambda inputs: _RegionFunction.apply(program, None, *inputs))
+                                          lambda inputs: _RegionFunction.apply(program, None, self.limit_bytes is not None, *inputs))
         self.verifications.append(result)
         if result.passed:
             log.info("region %s: %s", self.name, result.describe())
