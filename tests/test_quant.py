@@ -573,6 +573,35 @@ def test_gpu_nf4_compiled_matches_eager_in_bf16(source):
                 assert rel_err(q.grad, r.grad.to(q.grad.dtype)) <= max(2 * rel_err(p.grad, r.grad.to(p.grad.dtype)), 2e-2), name
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_nf4_decode_is_called_directly_with_the_ops_numbers(monkeypatch):
+    """On CUDA the compiled graphs call the decoding kernel directly (not through the custom op's
+    dispatch), forward and backward (remat decodes again there): the same losses and gradients, bit
+    for bit, as the same model compiled with the op left in its graphs."""
+    from loracc.codegen import triton_backend
+
+    model = presets.with_lora(presets.hf_decoder("llama", layers=2, hidden=256, intermediate=512,
+                                                 dtype=torch.bfloat16).cuda())
+    loracc.quantize(model, "nf4", double_quant=True)
+    batch = {k: v.cuda() for k, v in presets.token_batch(101, batch=2, seq=64).items()}
+    direct, through_op = (loracc.compile(copy.deepcopy(model), backend="auto", cuda_graphs=False) for _ in range(2))
+    losses = {}
+    for _ in range(2):  # each compiles at its first call
+        losses["direct"] = _step(direct, batch)
+        with monkeypatch.context() as m:
+            m.setattr(triton_backend, "DEQUANT_NF4", object())  # no node matches: the op stays
+            losses["op"] = _step(through_op, batch)
+    runs = {e["stage"] for e in direct._loracc.backend.report if e["runs"] == "generated kernel (NF4 decode)"}
+    assert runs == {"forward", "backward"}
+    report = through_op._loracc.backend.report  # compiled by its own backend, the op left in place
+    assert any(e["runs"].startswith("fused") for e in report)
+    assert not [e for e in report if e["runs"] == "generated kernel (NF4 decode)"]
+    assert torch.equal(losses["direct"], losses["op"])
+    for (name, p), (_, q) in zip(direct.named_parameters(), through_op.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+
+
 @pytest.mark.parametrize("mode", ["forward", "input_grad"])
 @pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
 def test_nf4_gemm_template_equals_dequantize_then_matmul(mode, double_quant):

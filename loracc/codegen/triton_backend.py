@@ -5,7 +5,9 @@ Every ``loracc::lora_linear`` / ``loracc::lora_linear_backward`` node whose case
 instead (over an FP8 weight, on FP8 tensor cores: ``fp8_gemm``); every group the
 ``fusion`` pass made (a ``FusedRows`` call) runs its generated kernel
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
-chunk (``cross_entropy``); every other node stays an ATen op. A node the kernels do not cover keeps the reference
+chunk (``cross_entropy``); on CUDA, ``loracc::dequant_nf4`` calls its decoding kernel directly
+(``nf4.dequantize``: the custom op's dispatch would cost more host time than the kernel's launch);
+every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ from ..ir.cross_entropy import LINEAR_CROSS_ENTROPY
 from ..ir.fused_rows import FusedRows
 from ..ir.graph import copy_nodes, gc_paused, info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
-from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, precompile
+from ..quant.nf4 import DEQUANT_NF4
+from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, nf4, precompile
 
 
 def available(device: torch.device) -> str | None:
@@ -118,6 +121,11 @@ class TritonBackend:
                                                    **node.kwargs))
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
                                     "runs": "generated kernel (chunked softmax)" if reason is None else f"reference op: {reason}"})
+                continue
+            if node.op == "call_function" and node.target is DEQUANT_NF4 and self.device.type == "cuda":
+                node.target = nf4.dequantize  # the op's CUDA kernel, the same arguments
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
+                                    "runs": "generated kernel (NF4 decode)"})
                 continue
             if node.op != "call_function" or node.target not in (LORA_LINEAR, LORA_LINEAR_BACKWARD):
                 continue
