@@ -162,26 +162,19 @@ def _compiled_with_replayers(mode):
 
 def test_predicted_peak_counts_the_graphs_memory_until_they_are_dropped():
     from loracc.runtime.memory import cuda_graph_bytes, predicted_peak_bytes
-    from loracc.passes.memory_plan import step_peak_bytes, value_bytes
+    from loracc.passes.memory_plan import value_bytes
 
     model, runs = _compiled_with_replayers("auto")
     persistent = model._loracc.persistent_bytes
-    regions = [p.reports["memory_plan"].region(r) for p, r in runs]
-    plain = step_peak_bytes(regions, persistent)
-    held = persistent + sum(r.repeats * r.saved_bytes for r in regions)
+    plain = predicted_peak_bytes(runs, persistent) - cuda_graph_bytes(runs)
+    graphed = predicted_peak_bytes(runs, persistent)
     inputs = sum(value_bytes(t.meta.get("val")) for p, _ in runs for stage in ("forward", "backward")
                  for t in p.stages[stage].graph.find_nodes(op="placeholder"))
-    assert cuda_graph_bytes(runs) > inputs > 0  # static inputs, outputs and a workspace
-    # every stage may replay: their temporaries are in the graphs' pool, none beside the step
-    assert predicted_peak_bytes(runs, persistent) == held + cuda_graph_bytes(runs)
+    assert graphed - plain > inputs > 0  # static inputs, outputs and a workspace
     assert "decides at its third call" in str(loracc.explain(model))
-    for program, _ in runs:  # backwards from Python: their temporaries and incoming gradients beside the step
-        program.backward.decision = "runs from Python (test)"
-    backwards = max(r.tangent_bytes + r.backward_peak_bytes for r in regions)
-    assert predicted_peak_bytes(runs, persistent) == held + backwards + cuda_graph_bytes(runs)
     for program, _ in runs:  # an "auto" decision against the graphs: their memory is gone
-        program.forward.decision = "runs from Python (test)"
-    assert cuda_graph_bytes(runs) == 0 and predicted_peak_bytes(runs, persistent) == plain
+        program.forward.decision = program.backward.decision = "runs from Python (test)"
+    assert predicted_peak_bytes(runs, persistent) == plain
     assert "forward: runs from Python (test)" in str(loracc.explain(model))
 
 
@@ -294,9 +287,6 @@ def test_under_a_byte_budget_auto_graphs_wait_for_the_step_and_replay_only_where
     """A byte budget's graphs (``Replayers(gated=True)``) run from Python until the step has
     settled; then they replay where the step's predicted peak with their buffers fits the limit, and
     run from Python for good, saying why, where it does not. Symbolic graphs stay plain callables."""
-    from dataclasses import replace
-
-    from loracc.passes.memory_plan import step_peak_bytes
     from loracc.runtime.cuda_graphs import Replayers
     from loracc.runtime.memory import cuda_graph_bytes
 
@@ -326,13 +316,7 @@ def test_under_a_byte_budget_auto_graphs_wait_for_the_step_and_replay_only_where
     assert not _FakeGraphed.captured and forward.decision is None and graphs.pool.graphs_allowed is None
     assert "forward: runs from Python until every region has run (a byte budget" in str(loracc.explain(model))
     graphed_peak = step.predicted_peak_bytes()
-    # counted while they may replay: their buffers, and the block's temporaries in their pool, not beside the step
-    memories = [p.reports["memory_plan"].region(r) for p, r in step.runs()]
-    beside = [replace(m, forward_peak_bytes=m.saved_bytes - m.saved_input_bytes, backward_peak_bytes=0, tangent_bytes=0)
-              if p is program else m for m, (p, _) in zip(memories, step.runs())]
-    graph_bytes = cuda_graph_bytes([(program, region.repeats)])
-    assert graphed_peak == step_peak_bytes(beside, step.persistent_bytes) + step.outside_bytes + graph_bytes
-    assert graph_bytes > 0 and graphed_peak != plain
+    assert graphed_peak - plain == cuda_graph_bytes([(program, region.repeats)]) > 0  # counted while they may replay
 
     step._admit_graphs(graphed_peak)  # room for them: they time and capture from the next calls on
     assert graphs.pool.graphs_allowed is True

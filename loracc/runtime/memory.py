@@ -14,7 +14,6 @@ on it at the second).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -24,7 +23,7 @@ from torch import nn
 from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
 from ..options import INT8_STATE_BLOCK, parse_optimizer_state
-from ..passes.memory_plan import MemoryPlanReport, RegionMemory, step_peak_bytes
+from ..passes.memory_plan import MemoryPlanReport, step_peak_bytes
 from ..passes.remat import SEARCH, Cut, Reserve, report_price, search_prices
 from ..pipeline import Program
 from .cuda_graphs import Replayer, routes
@@ -255,7 +254,7 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
     for program, repeats in runs:
         for stage in ("forward", "backward"):
             fn = getattr(program, stage)
-            if not _may_graph(fn):
+            if not (isinstance(fn, Replayer) and fn.may_graph):
                 continue
             graph = program.stages[stage]
             ins = [p.meta.get("val") for p in placeholders(graph)]
@@ -281,31 +280,10 @@ def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int)
     ``runs``: each compiled region's program with how many times a step runs it (a block region: its
     number of layers); ``persistent_bytes``: what lives across steps (weights, buffers, LoRA
     gradients, optimizer state). See ``passes.memory_plan.step_peak_bytes``. Programs replayed as CUDA
-    graphs (or still to decide, with ``cuda_graphs="auto"``) add ``cuda_graph_bytes``; the
-    temporaries of their graphed stages are among those (the pool's workspace), so the step's
-    largest transient is taken over the stages that run from Python (``_beside_graphs``).
+    graphs (or still to decide, with ``cuda_graphs="auto"``) add ``cuda_graph_bytes``.
     """
-    regions = [_beside_graphs(program, repeats) for program, repeats in runs]
+    regions = [_memory(program).region(repeats) for program, repeats in runs]
     return step_peak_bytes(regions, persistent_bytes) + cuda_graph_bytes(runs)
-
-
-def _beside_graphs(program: Program, repeats: int) -> RegionMemory:
-    """``program``'s memory in a step (``MemoryPlanReport.region``) less the temporaries of its
-    stages that replay, or may, as CUDA graphs: a graphed forward's temporaries and a graphed
-    backward's, with its incoming gradients, are in the graphs' pool (``cuda_graph_bytes``: its
-    workspace and copied inputs), not beside the rest of the step. Saved bytes are unchanged (a
-    graphed forward lends them from the pool: counted once, as saved)."""
-    memory = _memory(program).region(repeats)
-    if _may_graph(program.forward):
-        memory = replace(memory, forward_peak_bytes=memory.saved_bytes - memory.saved_input_bytes)
-    if _may_graph(program.backward):
-        memory = replace(memory, backward_peak_bytes=0, tangent_bytes=0)
-    return memory
-
-
-def _may_graph(fn) -> bool:
-    """Whether ``fn`` (a program's stage) replays as a CUDA graph or may still decide to."""
-    return isinstance(fn, Replayer) and fn.may_graph
 
 
 def _memory(program: Program) -> MemoryPlanReport:
