@@ -232,6 +232,15 @@ def test_within_a_byte_budget_candidates_are_timed_frugally_and_kept_apart(monke
         assert autotune.choose(description, candidates, cuda) == "b" and calls == [True, False]
 
 
+def test_kernels_cli_says_which_choices_were_timed_within_a_byte_budget(cache_dir):
+    description = {"op": "lora_linear", "kernel": "k", "rows": 64, "device": "fake-gpu sm90"}
+    cache.store_choice({**description, "timed": autotune.TIMED}, "cublas", {"cublas": 1.0})
+    cache.store_choice({**description, "timed": autotune.TIMED_WITHIN_BUDGET}, "triton a", {"triton a": 1.0})
+    lines = [line.strip() for line in kernels_cli.listing(autotune=True).splitlines()]
+    assert "k rows<=64 [fake-gpu sm90]: cublas" in lines
+    assert "k rows<=64 [fake-gpu sm90]: triton a (timed within a byte budget)" in lines
+
+
 def test_interpreter_runs_first_candidate_untimed():
     assert autotune.choose({"op": "x", "rows": 1}, {"triton c": None, "cublas": None}, CPU) == "triton c"
 

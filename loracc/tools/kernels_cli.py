@@ -10,6 +10,7 @@ import argparse
 
 from ..errors import LoraccError
 from ..codegen import cache
+from ..codegen.autotune import TIMED_WITHIN_BUDGET
 
 
 def register(subparsers) -> None:
@@ -44,5 +45,6 @@ def listing(show: str | None = None, autotune: bool = False) -> str:
             record = cache.read_json(path)
             if record and isinstance(record.get("description"), dict):
                 d = record["description"]
-                lines.append(f"  {d.get('kernel')} rows<={d.get('rows')} [{d.get('device')}]: {record.get('choice')}")
+                within = " (timed within a byte budget)" if d.get("timed") == TIMED_WITHIN_BUDGET else ""
+                lines.append(f"  {d.get('kernel')} rows<={d.get('rows')} [{d.get('device')}]: {record.get('choice')}{within}")
     return "\n".join(lines)
