@@ -179,9 +179,15 @@ def test_concurrent_writers_never_leave_a_partial_file(tmp_path):
     assert reads > 0 and target.read_text() in texts and not list(tmp_path.glob(".shared.txt.*"))
 
 
-def test_autotune_times_once_then_remembers(monkeypatch):
-    fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
-    monkeypatch.setattr(cache, "environment", lambda device: fake_env)
+@pytest.fixture
+def fake_env(monkeypatch):
+    """A GPU environment for the autotuner's cache keys, on any machine."""
+    env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
+    monkeypatch.setattr(cache, "environment", lambda device: env)
+    return env
+
+
+def test_autotune_times_once_then_remembers(monkeypatch, fake_env):
     monkeypatch.setattr(autotune, "measure", lambda c, frugal=False: {"triton a": 2.0, "triton b": 1.0, "cublas": "failed: no"})
     candidates = {"triton a": None, "triton b": None, "cublas": None}
     description = {"op": "lora_linear", "kernel": "k", "rows": 64}
@@ -201,12 +207,10 @@ def test_autotune_times_once_then_remembers(monkeypatch):
     assert autotune.choose(description, candidates, torch.device("cuda")) == "triton a"
 
 
-def test_within_a_byte_budget_candidates_are_timed_frugally_and_kept_apart(monkeypatch):
+def test_within_a_byte_budget_candidates_are_timed_frugally_and_kept_apart(monkeypatch, fake_env):
     """Inside ``within_budget`` the candidates are timed frugally and the choice is kept under its
     own key: a process without a budget times that shape again the usual way; a process with a
     budget takes the usual choice first, else the frugal one."""
-    fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
-    monkeypatch.setattr(cache, "environment", lambda device: fake_env)
     calls = []
 
     def measure(candidates, frugal=False):
@@ -309,12 +313,10 @@ def test_frugal_timing_allocates_only_what_the_candidates_calls_do():
             assert extra > out_bytes, (extra, out_bytes)  # the flush buffer besides
 
 
-def test_autotune_narrows_a_bucket_next_to_a_timed_one(monkeypatch):
+def test_autotune_narrows_a_bucket_next_to_a_timed_one(monkeypatch, fake_env):
     """A new bucket of rows times only the candidates that came within NEIGHBOUR_SLACK of the
     adjacent bucket's fastest (that one's choice always among them); a bucket with no timed
     neighbour, or a computation of its own, times them all."""
-    fake_env = {"device": "fake-gpu sm90", "torch": "t", "triton": "t"}
-    monkeypatch.setattr(cache, "environment", lambda device: fake_env)
     timed_sets = []
 
     def measure(candidates, frugal=False):

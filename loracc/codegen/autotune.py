@@ -103,13 +103,14 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     elif device.type != "cuda":
         choice, source, record = next(iter(candidates)), "interpreter: first candidate, not timed", None
     else:
-        frugal = bool(_within_budget)
+        how = _timing()
+        frugal = how == TIMED_WITHIN_BUDGET
         timings = measure(_narrowed(description, candidates, device), frugal=frugal)
         timed = {name: t for name, t in timings.items() if isinstance(t, float)}
         if not timed:
             raise RuntimeError(f"loracc: no implementation of {description} ran: {timings}")
         choice, source = min(timed, key=timed.get), "timed within a byte budget" if frugal else "timed"
-        cache.store_choice(_record_key(description, device, _timing()), choice, timings)
+        cache.store_choice(_record_key(description, device, how), choice, timings)
         record = {"timings_ms": timings}
     _chosen[memo_key] = choice
     log.info("kernel %s (rows <= %s): %s (%s)", description.get("kernel"), description.get("rows"), choice, source)
