@@ -322,3 +322,15 @@ def release_generators_after_failed_capture(device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     generator = torch.cuda.default_generators[index]
     generator.graphsafe_set_state(generator.clone_state())
+
+
+def use_triton_key(key: str) -> None:
+    """Make Triton's ``triton.runtime.cache.triton_key()`` (its hash of itself, the start of every
+    kernel's cache key, which ``get_cache_key`` reads from that module) return ``key``: a value
+    Triton computed earlier for the same files (``codegen/triton_key.py``). Triton's own compile
+    workers set it the same way. Keeps the ``functools.lru_cache`` interface of Triton's."""
+    import functools
+
+    import triton.runtime.cache as triton_cache
+
+    triton_cache.triton_key = functools.lru_cache()(lambda: key)

@@ -13,6 +13,7 @@ op, and the reason is kept in ``report`` (so nothing is silently approximated).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import torch
@@ -25,7 +26,9 @@ from ..ir.fused_rows import FusedRows
 from ..ir.graph import copy_nodes, gc_paused, info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..quant.nf4 import DEQUANT_NF4
-from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, nf4, precompile
+from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, nf4, precompile, triton_key
+
+log = logging.getLogger("loracc")
 
 
 def available(device: torch.device) -> str | None:
@@ -46,16 +49,16 @@ def available(device: torch.device) -> str | None:
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on the CPU), not {device.type}"
 
 
-def _hash_triton_in_background() -> threading.Thread:
-    """Start Triton's hash of its own compiler and libraries (``triton_key``, part of every kernel's
-    cache key; computed once per process, a noticeable host cost) on a thread: it then runs while
-    the first region traces instead of before its first kernel loads (hashing releases the GIL)."""
+def _triton_key_in_background() -> threading.Thread:
+    """Start giving Triton its hash of itself (``triton_key``, part of every kernel's cache key,
+    computed once per process: a noticeable host cost) on a thread: remembered from an earlier
+    process where it can be (``triton_key.remember``), else computed; either runs while the first
+    region traces instead of before its first kernel loads (hashing releases the GIL)."""
     def run():
         try:
-            from triton.runtime.cache import triton_key
-            triton_key()  # functools.lru_cache: every later call returns this result
-        except Exception:  # noqa: BLE001 - another Triton: its first kernel computes the key itself
-            pass
+            triton_key.remember()
+        except Exception as exc:  # noqa: BLE001 - another Triton, or no cache: its first kernel computes the key
+            log.debug("loracc: Triton's key not remembered: %s", exc)
 
     thread = threading.Thread(target=run, name="loracc-triton-key", daemon=True)
     thread.start()
@@ -83,7 +86,7 @@ class TritonBackend:
         # The runtime's wrapper of a graph that may replay as a CUDA graph: one per backend, so that
         # every graph of the model on this device captures into one memory pool.
         self._graphs = graphs() if graphs is not None and self.cuda_graphs != "off" else None
-        self._hashing = _hash_triton_in_background() if device.type == "cuda" else None
+        self._hashing = _triton_key_in_background() if device.type == "cuda" else None
 
     @gc_paused()
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
