@@ -235,11 +235,9 @@ def test_gpu_compiled_flux_matches_eager_with_flash_attention(monkeypatch, tmp_p
         for _ in range(3):  # the first steps check and choose; the last runs the choices (and graphs)
             for p in model.parameters():
                 p.grad = None
-            # eager's attention by flash, its recompute in the backward too (a layer's first call runs
-            # eagerly, checkpointed, while its kernels compile)
             with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
                 loss = torch.nn.functional.mse_loss(model(**kwargs).sample.float(), target.float())
-                loss.backward()
+            loss.backward()
         grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad})
     assert any("flash or cuDNN" in e["runs"] for e in compiled._loracc.backend.report)
     for name, want in grads[1].items():
