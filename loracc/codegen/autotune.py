@@ -61,11 +61,6 @@ def within_budget(active: bool = True):
         _within_budget -= bool(active)
 
 
-def in_byte_budget() -> bool:
-    """Whether a ``within_budget`` context is open: a region planned to a byte budget is running."""
-    return _within_budget > 0
-
-
 def _timing() -> str:
     """How candidates timed now are timed: ``TIMED``, or ``TIMED_WITHIN_BUDGET`` inside ``within_budget``."""
     return TIMED_WITHIN_BUDGET if _within_budget else TIMED

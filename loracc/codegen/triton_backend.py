@@ -26,7 +26,7 @@ from ..ir.fused_rows import FusedRows
 from ..ir.graph import copy_nodes, gc_paused, info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..quant.nf4 import DEQUANT_NF4
-from . import attention, cross_entropy, fp8_gemm, fused_rows, lora_linear, nf4, precompile, triton_key
+from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, nf4, precompile, triton_key
 
 log = logging.getLogger("loracc")
 
@@ -124,12 +124,6 @@ class TritonBackend:
                                                    **node.kwargs))
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
                                     "runs": "generated kernel (chunked softmax)" if reason is None else f"reference op: {reason}"})
-                continue
-            if (node.op == "call_function" and node.target in (attention.FLASH_FORWARD, attention.FLASH_BACKWARD)
-                    and not symbolic and attention.available(self.device)):
-                node.target = attention.forward if node.target is attention.FLASH_FORWARD else attention.backward
-                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
-                                    "runs": "attention: flash or cuDNN, chosen per call signature (cuDNN checked against flash)"})
                 continue
             if node.op == "call_function" and node.target is DEQUANT_NF4 and self.device.type == "cuda":
                 node.target = nf4.dequantize  # the op's CUDA kernel, the same arguments
