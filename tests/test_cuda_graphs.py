@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -786,3 +787,28 @@ def test_a_failed_capture_leaves_the_random_generator_usable():
     assert replayer.failed
     mask = torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5) != 0
     assert 300 < int(mask.sum()) < 700
+
+
+def test_a_graph_may_replay_only_where_every_lease_is_from_a_graph_captured_before_it():
+    """``SharedPool.may_replay`` against the leases themselves, with its bound stale (a lease released
+    or dropped since) and exact, leases made in any order."""
+    import gc
+    import random
+
+    from loracc.runtime.cuda_graphs import Lease, SharedPool
+
+    rng = random.Random(0)
+    pool = SharedPool()
+    graphs = [SimpleNamespace(seq=seq) for seq in range(1, 9)]
+    leases = []
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.4:
+            leases.append(Lease(rng.choice(graphs), pool))
+        elif action < 0.6 and leases:
+            leases.pop(rng.randrange(len(leases))).release()
+        elif action < 0.7 and leases:
+            leases.pop(rng.randrange(len(leases)))  # dropped without release: the weak set forgets it
+            gc.collect()
+        graphed = rng.choice(graphs)
+        assert pool.may_replay(graphed) == all(lease.seq < graphed.seq for lease in pool.lent)

@@ -70,6 +70,9 @@ class SharedPool:
         self.replays = 0  # replay clock: Graphed.last_replay, Lease.at
         self.live: weakref.WeakSet[Graphed] = weakref.WeakSet()
         self.lent: weakref.WeakSet[Lease] = weakref.WeakSet()
+        # At least the largest ``seq`` of a lease in ``lent`` (raised as leases are made, lowered to the
+        # exact value when ``may_replay`` has to look): a graph captured after it may replay at once.
+        self.lent_seq_bound = 0
         self._buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # see copy_buffers
         # Whether graphs of mode "auto" may capture: True; None, not yet (a byte budget's step has
         # not settled); False, never (their buffers would pass it), ``closed_because`` says why.
@@ -108,8 +111,13 @@ class SharedPool:
         return torch.cuda.graph_pool_handle()
 
     def may_replay(self, graphed: "Graphed") -> bool:
-        """Whether a replay of ``graphed`` leaves every lent output as it is (see the module's docstring)."""
-        return all(lease.seq < graphed.seq for lease in self.lent)
+        """Whether a replay of ``graphed`` leaves every lent output as it is (see the module's docstring):
+        every lease was lent by a graph captured before it. Looks at the leases only where the bound
+        says one might not be (a step's forward replays its layers in capture order: once a step)."""
+        if self.lent_seq_bound < graphed.seq:
+            return True
+        self.lent_seq_bound = max((lease.seq for lease in self.lent), default=0)
+        return self.lent_seq_bound < graphed.seq
 
     def added(self, graphed: "Graphed") -> None:
         self.captures += 1
@@ -126,6 +134,7 @@ class Lease:
         self.graphed: Graphed | None = graphed
         self.seq, self.pool, self.at = graphed.seq, pool, pool.replays
         pool.lent.add(self)
+        pool.lent_seq_bound = max(pool.lent_seq_bound, self.seq)
 
     def release(self) -> None:
         self.pool.lent.discard(self)
@@ -169,6 +178,7 @@ class Graphed:
                 outputs[j] = self.static_inputs[k].copy_(outputs[j])
         self.static_outputs = outputs
         self.addresses = tuple(t.data_ptr() for t in self.static_inputs)  # what the graph reads
+        self.read_in_place = [(i, a) for i, (keep, a) in enumerate(zip(self.in_place, self.addresses)) if keep]
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
         self.passthrough = [None if j in self.routes else ids.get(id(t)) for j, t in enumerate(self.static_outputs)]
 
@@ -181,8 +191,7 @@ class Graphed:
         captured over. A graph reads addresses, not tensors: a wrapper that gathers a layer's weights
         into new memory at each call (FSDP2, which also moves a tensor's own storage) hands its
         backward other memory than its forward read."""
-        return all(not in_place or address == t.data_ptr()
-                   for in_place, address, t in zip(self.in_place, self.addresses, inputs))
+        return all(inputs[i].data_ptr() == address for i, address in self.read_in_place)
 
     def __call__(self, *inputs):
         for i, (static, t) in enumerate(zip(self.static_inputs, inputs)):
