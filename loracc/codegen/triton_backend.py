@@ -86,7 +86,7 @@ class TritonBackend:
         # The runtime's wrapper of a graph that may replay as a CUDA graph: one per backend, so that
         # every graph of the model on this device captures into one memory pool.
         self._graphs = graphs() if graphs is not None and self.cuda_graphs != "off" else None
-        self._hashing = _triton_key_in_background() if device.type == "cuda" else None
+        self._key_thread = _triton_key_in_background() if device.type == "cuda" else None
 
     @gc_paused()
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
@@ -151,8 +151,8 @@ class TritonBackend:
             self.report.append(entry)
         gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)  # its Python code, generated once
         if self.device.type == "cuda":
-            if self._hashing is not None:
-                self._hashing.join()
+            if self._key_thread is not None:
+                self._key_thread.join()
             if compiling is None:
                 precompile.compile_ahead(ahead, self.device, f"kernels of the {stage} graph")
             else:
