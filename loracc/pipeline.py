@@ -193,7 +193,9 @@ def lower(captured: CapturedForward, stages: dict, reports: dict, needs_grad: li
     return Program(
         captured=captured,
         forward=forward,
+        # its first outputs are the gradients of the layer's parameters (inputs in order, state first)
         backward=backend.compile(parts.backward, "backward", after=forward, repeats=repeats, fixed_inputs=n_saved,
+                                 together=sum(needs_grad[:n_state]),
                                  compiling=compiling),
         n_inputs=len(needs_grad),
         n_outputs=n_outputs,

@@ -207,7 +207,7 @@ class _FakeGraphed:
 
     captured = []
 
-    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None, side=None):
+    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None, side=None, together=0):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
         self.fn, self.pool, self.replays, self.inputs = fn, pool, 0, inputs
@@ -223,6 +223,9 @@ class _FakeGraphed:
     def __call__(self, *inputs):
         self.replays += 1
         return self.fn(*inputs)
+
+    def replay(self, inputs):
+        return self(*inputs)
 
     def reads_in_place(self, inputs):
         return all(not in_place or a == b.data_ptr() for in_place, a, b in zip(self.in_place, self.addresses, inputs))
@@ -812,3 +815,59 @@ def test_a_graph_may_replay_only_where_every_lease_is_from_a_graph_captured_befo
             gc.collect()
         graphed = rng.choice(graphs)
         assert pool.may_replay(graphed) == all(lease.seq < graphed.seq for lease in pool.lent)
+
+
+def test_a_backward_copies_out_the_parameters_gradients_together_and_only_those(monkeypatch):
+    """The backward's ``together`` leading outputs, copied out of a replay into one allocation, are
+    the gradients of the layer's parameters (they live until the optimizer's step); the gradient of
+    the layer's input (freed as the backward goes on) comes after them."""
+    from loracc.codegen import EagerBackend
+    from loracc.ir.graph import output_node
+
+    seen = []
+
+    def compile(self, gm, stage, after=None, repeats=1, **graph_inputs):
+        seen.append((stage, gm, graph_inputs))
+        return gm
+
+    monkeypatch.setattr(EagerBackend, "compile", compile)
+    model, batch = presets.preset("llama", layers=3)
+    model = loracc.compile(model, backend="eager")
+    model(**batch).loss.backward()
+    (block,) = [r for r in model._loracc.regions if r.kind == "block"]
+    program = block.latest
+    layer = model.get_submodule(block.modules[1])
+    lora = [tuple(p.shape) for p in layer.parameters() if p.requires_grad]
+    (_, gm, options), = [s for s in seen if s[0] == "backward" and s[1] is program.stages["backward"]]
+    outs = [o.meta["val"] for o in output_node(gm).args[0]]
+    together = options["together"]
+    assert together == len(lora) == sum(program.n_state > i for i in program.grad_inputs)
+    assert [tuple(o.shape) for o in outs[:together]] == lora
+    assert [tuple(o.shape) for o in outs[together:]] == [tuple(batch["input_ids"].shape) + (model.config.hidden_size,)]
+
+
+@gpu
+def test_a_replays_parameter_gradients_are_copied_out_into_one_allocation_that_later_replays_leave_alone():
+    from loracc.runtime.cuda_graphs import SharedPool
+
+    def backward(a, b, g):  # two parameters' gradients (one transposed), then the input's
+        return [g.t() @ a, (g @ b).t().contiguous().t(), g * 2.0]
+
+    replayer = Replayer(backward, "backward graph", mode="on", pool=SharedPool(), fixed_inputs=2, together=2)
+    a, b = torch.randn(37, 5, device="cuda"), torch.randn(9, 13, device="cuda")
+    kept = []
+    for step in range(4):
+        g = torch.randn(37, 9, device="cuda")
+        outputs = replayer(a, b, g)
+        expected = backward(a, b, g)
+        for got, want in zip(outputs, expected):
+            assert got.stride() == want.stride()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        kept.append((outputs, expected))
+    graphed = replayer.graphed
+    assert graphed is not None and [[j for j, *_ in m] for *_, m in graphed.packs] == [[0, 1]] and graphed.cloned == [2]
+    for outputs, expected in kept:  # every step's copies as they were, after the later replays
+        assert outputs[0].untyped_storage().data_ptr() == outputs[1].untyped_storage().data_ptr()
+        assert all(o.data_ptr() != s.data_ptr() for o, s in zip(outputs, graphed.static_outputs))
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -180,3 +180,59 @@ def test_copy_into_on_the_gpu_matches_a_copy_per_tensor():
     copy_into(bound_groups(dsts), srcs)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d.cpu(), s.cpu())
+
+
+def _packed_sources(device="cpu"):
+    """Outputs as a backward hands them back: fp32 and bf16 gradients, one transposed, one a gapped
+    view, a lone half tensor; made on the CPU, moved, then viewed (a move would make a view dense)."""
+    g = torch.Generator().manual_seed(5)
+    made = [torch.randn(16, 37, generator=g), torch.randn(29, generator=g).bfloat16(), torch.randn(37, 16, generator=g),
+            torch.randn(3, 8, generator=g), torch.randn(5, 3, generator=g), torch.randn(7, generator=g).bfloat16(),
+            torch.randn(11, generator=g).half(), torch.randn(4, 4, generator=g)]
+    made = [t.to(device) for t in made]
+    made[2], made[3] = made[2].t(), made[3][:, ::2]
+    return made
+
+
+def _check_packed(srcs, indices):
+    from loracc.runtime.sized_graphs import PACK_ALIGN, copy_out_packed, pack_plan
+
+    plan = pack_plan(srcs, indices)
+    # fp32 dense (index 2 transposed) in one allocation, bf16 in another; the gapped view (3), the
+    # single half tensor (6) and what is not chosen (7) are left out
+    assert [[j for j, *_ in members] for _, _, _, members in plan] == [[0, 2, 4], [1, 5]]
+    outputs = list(srcs)
+    copy_out_packed(plan, outputs)
+    for j, (out, src) in enumerate(zip(outputs, srcs)):
+        if j in (3, 6, 7):
+            assert out is src
+            continue
+        assert out is not src and out.data_ptr() != src.data_ptr()
+        assert out.dtype == src.dtype and out.shape == src.shape and out.stride() == src.stride()
+        assert torch.equal(out.cpu(), src.cpu())
+        assert (out.data_ptr() - outputs[0 if out.dtype == torch.float32 else 1].data_ptr()) % PACK_ALIGN == 0
+    for group in ([0, 2, 4], [1, 5]):  # one allocation each, the copies apart from one another
+        storages = {outputs[j].untyped_storage().data_ptr() for j in group}
+        assert len(storages) == 1
+        spans = sorted((outputs[j].data_ptr(), outputs[j].data_ptr() + outputs[j].numel() * outputs[j].element_size())
+                       for j in group)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    # a copy written afterwards leaves the graph's tensor (and its neighbours) as they were
+    outputs[2].fill_(0)
+    assert torch.equal(outputs[0].cpu(), srcs[0].cpu()) and not torch.equal(outputs[2].cpu(), srcs[2].cpu())
+
+
+def test_outputs_copied_out_together_share_one_allocation_per_dtype_each_in_its_own_layout():
+    _check_packed(_packed_sources(), [0, 1, 2, 3, 4, 5, 6])
+
+
+def test_nothing_to_pack_leaves_every_output_as_it_is():
+    from loracc.runtime.sized_graphs import pack_plan
+
+    srcs = _packed_sources()
+    assert pack_plan(srcs, []) == [] and pack_plan(srcs, [0]) == [] and pack_plan(srcs, [3, 6]) == []
+
+
+@cuda
+def test_outputs_copied_out_together_on_the_gpu():
+    _check_packed(_packed_sources("cuda"), [0, 1, 2, 3, 4, 5, 6])

@@ -90,10 +90,10 @@ class TritonBackend:
 
     @gc_paused()
     def compile(self, gm: fx.GraphModule, stage: str, after=None, repeats: int = 1, fixed_inputs: int = 0,
-                lend_from: int | None = None, compiling: list | None = None):
+                lend_from: int | None = None, together: int = 0, compiling: list | None = None):
         """The callable that runs ``gm``; ``after``: the callable of the same region's forward, when
         ``gm`` is its backward; ``repeats``: how many times a step runs it (a block: its layers);
-        ``fixed_inputs``, ``lend_from``: see ``runtime.cuda_graphs.Replayer``. The kernels it launches
+        ``fixed_inputs``, ``lend_from``, ``together``: see ``runtime.cuda_graphs.Replayer``. The kernels it launches
         are compiled before it returns, or, given a list ``compiling``, in the background: the
         ``Future`` of their compile is appended to it (``precompile.compile_later``)."""
         graph = copy_nodes(gm.graph)  # the stage the pipeline keeps for loracc dump stays as it was
@@ -162,4 +162,4 @@ class TritonBackend:
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and repeats < 2):
             return gm
         return self._graphs(gm, f"{stage} graph", mode=self.cuda_graphs, after=after, symbolic=symbolic, fixed_inputs=fixed_inputs,
-                            lend_from=lend_from, max_captures=3 * repeats + 4, layers=repeats)
+                            lend_from=lend_from, together=together, max_captures=3 * repeats + 4, layers=repeats)

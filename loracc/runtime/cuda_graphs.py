@@ -48,7 +48,7 @@ import torch
 from .. import _compat
 from .._compat import saved_tensors_hooks_active
 from ..errors import LoraccError
-from .sized_graphs import Arena, SizedGraphs
+from .sized_graphs import Arena, SizedGraphs, bound_groups, copy_into, copy_out_packed, pack_plan
 
 log = logging.getLogger("loracc")
 
@@ -153,10 +153,11 @@ class Graphed:
     tensors (read where they are; a call must pass those very tensors), the others are buffers each
     call's inputs are copied into. Outputs from index ``lend_from`` on are returned as they are (lent),
     the others as copies (an output that is an input: the caller's tensor), made from the copied
-    inputs' buffers where ``routes`` put them."""
+    inputs' buffers where ``routes`` put them; the copies of outputs before index ``together`` share
+    one allocation per dtype (``sized_graphs.pack_plan``)."""
 
     def __init__(self, fn, static_inputs: list[torch.Tensor], pool=None, in_place: tuple[bool, ...] = (),
-                 lend_from: int | None = None, side: torch.cuda.Stream | None = None):
+                 lend_from: int | None = None, side: torch.cuda.Stream | None = None, together: int = 0):
         self.static_inputs = static_inputs
         self.in_place = tuple(in_place) + (False,) * (len(static_inputs) - len(in_place))
         self.seq, self.last_replay = 0, 0
@@ -181,6 +182,17 @@ class Graphed:
         self.read_in_place = [(i, a) for i, (keep, a) in enumerate(zip(self.in_place, self.addresses)) if keep]
         ids = {id(t): i for i, t in enumerate(self.static_inputs)}
         self.passthrough = [None if j in self.routes else ids.get(id(t)) for j, t in enumerate(self.static_outputs)]
+        # Per call: the copied inputs, copied in by one multi-tensor copy per group; the outputs not
+        # lent, passed through (the caller's input) or copied out (those before ``together`` into one
+        # allocation per dtype, ``pack_plan``; the others one clone each).
+        self.copied = [i for i, keep in enumerate(self.in_place) if not keep]
+        self.copy_in = bound_groups([self.static_inputs[i] for i in self.copied])
+        self.passed = [(j, i) for j, i in enumerate(self.passthrough) if i is not None]
+        out = [j for j, (t, i) in enumerate(zip(outputs, self.passthrough))
+               if j < self.lend_from and i is None and isinstance(t, torch.Tensor)]
+        self.packs = pack_plan(outputs, [j for j in out if j < together])
+        packed = {j for group in self.packs for j, *_ in group[3]}
+        self.cloned = [j for j in out if j not in packed]
 
     @property
     def lends(self) -> bool:
@@ -194,19 +206,31 @@ class Graphed:
         return all(inputs[i].data_ptr() == address for i, address in self.read_in_place)
 
     def __call__(self, *inputs):
-        for i, (static, t) in enumerate(zip(self.static_inputs, inputs)):
-            if static.shape != t.shape or static.dtype != t.dtype:
-                # copy_ would broadcast or cast silently; the region's guards should make this impossible
+        """Replay over ``inputs``; raises where an input read in place is not at its captured address."""
+        if not self.reads_in_place(inputs):  # the graph would read other memory
+            raise RuntimeError(f"CUDA graph inputs {[i for i, _ in self.read_in_place]}: not all at the addresses "
+                               "the graph was captured over")
+        return self.replay(inputs)
+
+    def replay(self, inputs):
+        """Replay over ``inputs``, whose inputs read in place the caller has checked (``reads_in_place``):
+        a region's call key fixes their shapes and dtypes, their addresses the graph. The copied
+        inputs are checked here: ``copy_`` would broadcast or cast silently."""
+        srcs = [inputs[i] for i in self.copied]
+        for i, t in zip(self.copied, srcs):
+            static = self.static_inputs[i]
+            if static.shape != t.shape or static.dtype != t.dtype:  # the region's guards should make this impossible
                 raise RuntimeError(f"CUDA graph input {i}: {t.dtype}{list(t.shape)}, captured for "
                                    f"{static.dtype}{list(static.shape)}")
-            if self.in_place[i]:
-                if t.data_ptr() != self.addresses[i]:  # the graph would read other memory (reads_in_place)
-                    raise RuntimeError(f"CUDA graph input {i} is not at the address the graph was captured over")
-            elif static.data_ptr() != t.data_ptr():
-                static.copy_(t)
+        copy_into(self.copy_in, srcs)
         self.graph.replay()
-        return [inputs[i] if i is not None else out if j >= self.lend_from or not isinstance(out, torch.Tensor)
-                else out.clone() for j, (out, i) in enumerate(zip(self.static_outputs, self.passthrough))]
+        outputs = list(self.static_outputs)
+        for j, i in self.passed:
+            outputs[j] = inputs[i]
+        for j in self.cloned:
+            outputs[j] = outputs[j].clone()
+        copy_out_packed(self.packs, outputs)
+        return outputs
 
 
 class Replayers:
@@ -254,16 +278,20 @@ class Replayer:
     (a block: a few per layer) before a call that needs a new one runs from Python instead;
     ``layers``: how many layers call it, if known (a forward keeps a graph for that many sets of weights at
     most: a graph for weights the model no longer has, replaced by new tensors, is dropped, least
-    recently replayed first, rather than keeping the old weights alive).
+    recently replayed first, rather than keeping the old weights alive); ``together``: how many
+    leading outputs are copied out of a replay into one allocation (a backward's parameter gradients,
+    which live together until the optimizer's step: one allocation and one copy instead of one each).
     """
 
     def __init__(self, fn, name: str, mode: str = "on", pool: SharedPool | None = None, after: "Replayer | None" = None,
-                 fixed_inputs: int = 0, lend_from: int | None = None, max_captures: int = 8, layers: int | None = None):
+                 fixed_inputs: int = 0, lend_from: int | None = None, max_captures: int = 8, layers: int | None = None,
+                 together: int = 0):
         if mode not in ("on", "auto"):
             raise ValueError(f"Replayer mode must be 'on' or 'auto', got {mode!r}")
         self.fn, self.name, self.mode, self.after = fn, name, mode, after
         self.pool = pool if pool is not None else SharedPool()
         self.fixed_inputs, self.lend_from, self.max_captures, self.layers = fixed_inputs, lend_from, max_captures, layers
+        self.together = together
         self.calls = self.captures = 0
         self.kept = False
         self.layer_graphs: dict = {} if after is None else weakref.WeakKeyDictionary()  # by weights / by forward graph
@@ -396,7 +424,10 @@ class Replayer:
         if key is _PYTHON:
             return self.fn(*inputs)
         graphed = self.copy_graph if key is None else self.layer_graphs.get(key)
-        if graphed is not None and not graphed.reads_in_place(inputs):
+        # A forward's key is the addresses of the inputs its graph reads in place (the copy graph reads
+        # none): found by it, the graph reads these inputs. A backward's inputs read in place (what its
+        # forward lent, its weights) are checked.
+        if graphed is not None and self.after is not None and not graphed.reads_in_place(inputs):
             if not self.moved_inputs:
                 log.info("loracc: %s runs from Python where its inputs are not the tensors its graph reads in "
                          "place (weights gathered into new memory at each call)", self.name)
@@ -419,7 +450,7 @@ class Replayer:
     def _run(self, graphed: Graphed, inputs):
         self.pool.replays += 1
         graphed.last_replay = self.pool.replays
-        outputs = graphed(*inputs)
+        outputs = graphed.replay(inputs)  # its inputs read in place: checked by _replay, or captured over
         if graphed.lends:
             self.lease = Lease(graphed, self.pool)
         return outputs
@@ -432,7 +463,8 @@ class Replayer:
         self.captures += 1
         try:
             graphed = Graphed(self.fn, static, self.pool.handle(), in_place=in_place,
-                              lend_from=self.lend_from if key is not None else None, side=self.pool.warm_up_stream())
+                              lend_from=self.lend_from if key is not None else None, side=self.pool.warm_up_stream(),
+                              together=self.together)
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
             self.failed = f"{type(exc).__name__}: {exc}"
             _compat.release_generators_after_failed_capture(torch.device("cuda"))

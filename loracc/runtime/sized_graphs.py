@@ -238,6 +238,47 @@ def copy_groups(tensors: list) -> list[list[int]]:
     return list(groups.values()) + ([[None, *one_by_one]] if one_by_one else [])
 
 
+# Offsets of tensors packed into one allocation (``pack_plan``) are multiples of this many bytes, the
+# caching allocator's rounding: a kernel given one sees the alignment a tensor of its own would have.
+PACK_ALIGN = 512
+
+
+def pack_plan(tensors: list, indices: list[int]) -> list[tuple]:
+    """How to copy the tensors at ``indices`` out into one new allocation per dtype and device:
+    ``(dtype, device, elements, [(index, shape, stride, offset)])`` an allocation, each copy a view
+    with its tensor's shape and strides at an offset aligned to ``PACK_ALIGN`` bytes. Only groups of
+    two or more tensors that one multi-tensor copy takes (``copy_groups``); the rest are left out,
+    for the caller to copy one by one."""
+    chosen = [tensors[j] for j in indices]
+    plan = []
+    for group in copy_groups(chosen):
+        if group[0] is None or len(group) < 2:
+            continue
+        first = chosen[group[0]]
+        if any(chosen[g].device != first.device for g in group):
+            continue
+        align = max(1, PACK_ALIGN // first.element_size())
+        members, offset = [], 0
+        for g in group:
+            t = chosen[g]
+            members.append((indices[g], tuple(t.shape), t.stride(), offset))
+            offset += -(-t.numel() // align) * align
+        plan.append((first.dtype, first.device, offset, members))
+    return plan
+
+
+def copy_out_packed(plan: list, tensors: list) -> None:
+    """Replace ``tensors[index]`` by a copy of it for every index in ``plan`` (``pack_plan``): one
+    allocation and one multi-tensor copy an entry. The copies of an entry share their allocation,
+    which lives while any of them does."""
+    for dtype, device, elements, members in plan:
+        flat = torch.empty(elements, dtype=dtype, device=device)
+        copies = [flat.as_strided(shape, stride, offset) for _, shape, stride, offset in members]
+        _copy(False, copies, [tensors[j] for j, *_ in members])
+        for (j, *_), t in zip(members, copies):
+            tensors[j] = t
+
+
 def bound_groups(tensors: list) -> list[tuple[bool, list[int], list]]:
     """``copy_groups(tensors)`` with the tensors themselves: ``(one_by_one, indices, tensors at
     them)`` a group, for copies whose one side is always ``tensors``."""
