@@ -74,14 +74,18 @@ def _stage(x, w, b):
 
 
 @cuda
-def test_each_size_is_captured_at_its_second_call_and_replays_the_python_results():
+@pytest.mark.parametrize("together", [(), (range(1, 1 << 62),), (range(0, 2),)])
+def test_each_size_is_captured_at_its_second_call_and_replays_the_python_results(together):
+    """The same with outputs copied out together (``together``): only the copies (not the input
+    passed through or its view) share an allocation, and only where two or more do."""
     torch.manual_seed(0)
-    graphs = SizedGraphs(_stage, "forward graph", Arena(), SharedPool())
+    graphs = SizedGraphs(_stage, "forward graph", Arena(), SharedPool(), together=together)
     w, b = torch.randn(13, 29, device="cuda"), torch.randn(29, device="cuda")
     returned = []
     for rows in (33, 33, 7, 19, 7, 19, 7, 33):  # the largest first: the arena never grows after
         x = torch.randn(rows, 13, device="cuda")
         expected = _stage(x, w, b)
+        replays = graphs.replays
         got = graphs(x, w, b)
         for e, g in zip(expected, got):
             if e is None:
@@ -90,6 +94,8 @@ def test_each_size_is_captured_at_its_second_call_and_replays_the_python_results
             assert g.shape == e.shape and g.stride() == e.stride()
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
         assert got[2] is w and got[3].data_ptr() == x.data_ptr() + x.element_size()
+        shared = got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+        assert shared == (together == (range(0, 2),) and graphs.replays > replays)
         returned.append((got[0], got[1], expected[0].clone(), expected[1].clone()))
     for h, ht, eh, eht in returned:  # copies: later replays did not overwrite what a call returned
         torch.testing.assert_close(h, eh, rtol=1e-4, atol=1e-5)
@@ -236,3 +242,14 @@ def test_nothing_to_pack_leaves_every_output_as_it_is():
 @cuda
 def test_outputs_copied_out_together_on_the_gpu():
     _check_packed(_packed_sources("cuda"), [0, 1, 2, 3, 4, 5, 6])
+
+
+def test_a_symbolic_forward_copies_its_saved_tensors_out_together_and_its_backward_its_parameters_gradients():
+    from loracc.runtime.cuda_graphs import Replayers
+
+    replayers = Replayers()
+    forward = replayers(_stage, "forward graph", mode="auto", symbolic=True, fixed_inputs=2, lend_from=2)
+    backward = replayers(_stage, "backward graph", mode="auto", symbolic=True, after=forward, fixed_inputs=3, together=2)
+    (saved,), (grads,) = forward.together, backward.together
+    assert 1 not in saved and all(j in saved for j in (2, 3, 40))
+    assert list(grads) == [0, 1]

@@ -40,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import weakref
 
@@ -262,7 +263,10 @@ class Replayers:
                 return fn
             if self.arena is None:
                 self.arena = Arena()
-            return SizedGraphs(fn, name, self.arena, self.sized_pool)
+            # copied out together: a forward's saved tensors (from lend_from on), a backward's parameter gradients
+            lend_from = options.get("lend_from")
+            together = range(lend_from, sys.maxsize) if lend_from is not None else range(options.get("together", 0))
+            return SizedGraphs(fn, name, self.arena, self.sized_pool, together=(together,))
         return Replayer(fn, name, mode=mode, pool=self.pool, after=after if isinstance(after, Replayer) else None,
                         **options)
 

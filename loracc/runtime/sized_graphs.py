@@ -77,20 +77,26 @@ class Arena:
 class _SizeGraph:
     """One captured graph: its static inputs, where its outputs go, and how to hand them back."""
 
-    def __init__(self, graph, copies_in, out_views, outputs_plan, device: torch.device):
+    def __init__(self, graph, copies_in, out_views, outputs_plan, device: torch.device, together: tuple = ()):
         """``copies_in``: ``bound_groups`` of the static inputs (which it keeps alive), ``out_views``:
-        where the graph writes the outputs it hands back as copies."""
+        where the graph writes the outputs it hands back as copies; ``together``: sets of indices
+        into ``out_views`` whose copies share one allocation per dtype (``pack_plan``)."""
         self.graph, self.copies_in, self.outputs_plan, self.device = graph, copies_in, outputs_plan, device
         self.seq = 0  # set by the pool (SharedPool.added)
         # The buffers' side of each copy is fixed: bound once, not at every call.
         self.copies_out = bound_groups(out_views)
         self.out_layouts = [(v.shape, v.stride(), v.dtype) for v in out_views]
+        self.packs = [entry for indices in together for entry in pack_plan(out_views, sorted(indices))]
+        packed = {j for *_, members in self.packs for j, *_ in members}
+        self.alone = [(j, layout) for j, layout in enumerate(self.out_layouts) if j not in packed]
 
     def __call__(self, inputs):
         copy_into(self.copies_in, inputs)
         self.graph.replay()
-        copies = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
-                  for shape, stride, dtype in self.out_layouts]
+        copies = [None] * len(self.out_layouts)
+        allocate_packed(self.packs, copies)
+        for j, (shape, stride, dtype) in self.alone:
+            copies[j] = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
         for one_by_one, indices, buffers in self.copies_out:
             _copy(one_by_one, [copies[i] for i in indices], buffers)
         results, it = [], iter(copies)
@@ -111,10 +117,13 @@ class SizedGraphs:
     sizes, captured at a size's second call (see the module's docstring; a block's layers call
     their stage once each, so a size new in a step replays from its third layer on). ``name``: for logs and
     ``explain``; ``arena``, ``pool`` (a ``cuda_graphs.SharedPool``): shared by every stage of a model
-    on one device."""
+    on one device. ``together``: ranges of output indices whose copies out of a replay share one
+    allocation (per dtype): outputs that die together (a forward's saved tensors, read by its backward;
+    a backward's parameter gradients, kept until the optimizer's step), one allocation instead of one each."""
 
-    def __init__(self, fn, name: str, arena: Arena, pool, max_graphs: int = 64):
+    def __init__(self, fn, name: str, arena: Arena, pool, max_graphs: int = 64, together: tuple = ()):
         self.fn, self.name, self.arena, self.pool, self.max_graphs = fn, name, arena, pool, max_graphs
+        self.together = together  # ranges of output indices: see the class's docstring
         self.graphs: collections.OrderedDict = collections.OrderedDict()  # size key → _SizeGraph, LRU order
         # size key → what a call from Python returned (``_outputs_plan``): a size seen once
         self.seen: collections.OrderedDict = collections.OrderedDict()
@@ -213,7 +222,9 @@ class SizedGraphs:
                 raise
             graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
-        sized = _SizeGraph(graph, copies_in, out_views, plan, inputs[0].device)
+        position = {j: n for n, j in enumerate(copied)}  # output index → index among the copies
+        together = [[n for j, n in position.items() if j in r] for r in self.together]
+        sized = _SizeGraph(graph, copies_in, out_views, plan, inputs[0].device, together)
         self.pool.added(sized)
         return sized
 
@@ -267,16 +278,25 @@ def pack_plan(tensors: list, indices: list[int]) -> list[tuple]:
     return plan
 
 
-def copy_out_packed(plan: list, tensors: list) -> None:
-    """Replace ``tensors[index]`` by a copy of it for every index in ``plan`` (``pack_plan``): one
-    allocation and one multi-tensor copy an entry. The copies of an entry share their allocation,
-    which lives while any of them does."""
+def allocate_packed(plan: list, into: list) -> None:
+    """``into[index]`` = a new tensor of the layout ``plan`` (``pack_plan``) gives that index, one
+    allocation an entry of ``plan``: the tensors of an entry share it, and it lives while any does."""
     for dtype, device, elements, members in plan:
         flat = torch.empty(elements, dtype=dtype, device=device)
-        copies = [flat.as_strided(shape, stride, offset) for _, shape, stride, offset in members]
-        _copy(False, copies, [tensors[j] for j, *_ in members])
-        for (j, *_), t in zip(members, copies):
-            tensors[j] = t
+        for j, shape, stride, offset in members:
+            into[j] = flat.as_strided(shape, stride, offset)
+
+
+def copy_out_packed(plan: list, tensors: list) -> None:
+    """Replace ``tensors[index]`` by a copy of it for every index in ``plan`` (``pack_plan``): one
+    allocation (``allocate_packed``) and one multi-tensor copy an entry."""
+    copies = list(tensors)
+    allocate_packed(plan, copies)
+    for *_, members in plan:
+        indices = [j for j, *_ in members]
+        _copy(False, [copies[j] for j in indices], [tensors[j] for j in indices])
+        for j in indices:
+            tensors[j] = copies[j]
 
 
 def bound_groups(tensors: list) -> list[tuple[bool, list[int], list]]:
