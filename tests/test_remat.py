@@ -271,3 +271,38 @@ def test_convolution_flops_count_each_output_channels_weights(tracing_mode):
     [node] = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.overloadpacket is aten.convolution]
     out = conv(x, w)
     assert remat_module._flops(node) == 2 * out.numel() * 3 * 3 * 2
+
+
+def _group_norm_silu_joint():
+    """A ResNet block's start: ``silu(group_norm(x))`` times a weight needing a gradient, traced joint
+    (the backward reads the norm's output through SiLU's derivative)."""
+    def step(x, gamma, beta, w, tangent):
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        out = F.silu(F.group_norm(x, 4, gamma, beta)) * w
+        return [out] + list(torch.autograd.grad(out, (x, w), tangent))
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 8, 5, 7, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g),
+              torch.randn(8, 5, 7, generator=g), torch.randn(2, 8, 5, 7, generator=g)]
+    joint = _compat.trace(step, inputs)
+    for n, role in zip(placeholders(joint), ["input", "frozen", "frozen", "input", "tangent"]):
+        info(n).update(role=role, phase="backward" if role == "tangent" else "forward")
+    _annotate_joint(joint, 4, 1)
+    [norm] = [n for n in joint.graph.nodes if n.op == "call_function" and n.target is aten.native_group_norm.default]
+    return joint, norm
+
+
+def test_a_group_norm_is_recomputed_only_where_its_memory_pass_is_worth_the_bytes():
+    """No row kernel absorbs a group norm (its rows span C/groups channels of H·W): recomputing it
+    costs a pass over its tensors, priced as FLOPs (``FLOPS_PER_BYTE``). The fastest plan saves its
+    output rather than run it again; a plan that must save little recomputes it."""
+    joint, norm = _group_norm_silu_joint()
+    x, out = norm.args[0].meta["val"], norm.meta["val"]
+    moved = sum(value_bytes(t) for t in (x, *(a.meta["val"] for a in norm.args[1:3]), *out))
+    assert remat_module._flops(norm) == remat_module.FLOPS_PER_BYTE * moved
+    fastest = remat(joint, 1, None).report
+    assert "recomputed" not in info(norm) and fastest["recomputed GEMMs and attention"] == 0
+    assert_split_matches_joint(joint, 1, [n for n in joint.graph.nodes if "saved" in info(n)])
+    floor = remat(joint, 1, 0.0).report
+    assert "recomputed" in info(norm) and floor["saved bytes"] < fastest["saved bytes"]
+    assert_split_matches_joint(joint, 1, [n for n in joint.graph.nodes if "saved" in info(n)])

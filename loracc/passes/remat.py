@@ -16,8 +16,10 @@ How: a minimum s-t cut (``flow.source_side``) of the joint graph. Every forward 
 cutting it means saving the value (cost: its bytes; parameters cost nothing, graph inputs that are
 activations cost their bytes, views and tuples cannot be saved: their base or items are). A forward
 node on the backward side of the cut is recomputed; ``source -> in`` charges that: one tie-breaking
-unit for cheap ops (norms, activations, casts, views, rank-r LoRA products), ``price`` × FLOPs for
-GEMMs and attention. The fastest plan (``memory_budget=None``) has an infinite price: it saves the
+unit for cheap ops (norms, activations, casts, views, rank-r LoRA products: fused into the backward's
+row kernels), ``price`` × FLOPs for GEMMs and attention, and for the ops no row kernel absorbs
+(``UNFUSED``: group norms, a pass over rows too wide for one program) ``price`` × the FLOPs their memory
+traffic is worth (``FLOPS_PER_BYTE``). The fastest plan (``memory_budget=None``) has an infinite price: it saves the
 fewest bytes that recomputing only cheap ops allows. Lowering the price trades FLOPs for bytes, and
 the saved bytes never grow as the price falls (the cut minimises bytes + price × FLOPs, a Lagrangian
 relaxation; capacities are exact integers). A budget gets the highest price whose plan fits, out of
@@ -66,7 +68,13 @@ ATTENTION = {
     )
     if hasattr(aten, name)
 }
-FASTEST = None  # the price of recomputing a GEMM or attention in the fastest plan: never
+# Ops that run as ATen kernels of their own, recomputed at the cost of a pass over their tensors: no
+# row kernel absorbs them (a group norm's rows, (C / groups) · H · W, are wider than fusion.MAX_WIDTH).
+UNFUSED = {aten.native_group_norm}
+# What a byte moved is worth in FLOPs, for ``UNFUSED`` ops: a GPU's tensor FLOPs over its memory
+# bandwidth (H100: ~990 TFLOP/s of bf16 over ~3.35 TB/s), rounded.
+FLOPS_PER_BYTE = 256
+FASTEST = None  # the price of recomputing a GEMM, attention or an UNFUSED op in the fastest plan: never
 # Prices in bytes saved per FLOP recomputed: 4 steps per octave from 2^-48 (a byte is worth far more
 # than any GEMM) to 2^8 (recompute anything for a byte), then 0 (recompute everything possible).
 PRICES = [FASTEST] + [Fraction(m, 4) * Fraction(2) ** e for e in range(8, -49, -1) for m in (7, 6, 5, 4)] + [Fraction(0)]
@@ -192,6 +200,7 @@ def remat(joint: fx.GraphModule, n_outputs: int, budget=None, *, repeats: int = 
         "recomputed": len([n for n in recomputed if info(n).get("phase") == "forward"]),
         "recomputed GEMMs and attention": len([
             n for n in recomputed if info(n).get("phase") == "forward" and problem.expensive(n)
+            and n.target.overloadpacket not in UNFUSED
         ]),
         "cuts solved": problem.solved,
         "seconds": round(time.perf_counter() - start, 3),
@@ -353,13 +362,14 @@ def _save_bytes(node: fx.Node) -> int | None:
 
 
 def _is_expensive(node: fx.Node) -> bool:
-    """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight), and every op
-    outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM) but the cheap ones
-    (``RECOMPUTABLE``: a quantized weight's decoding, the interleaved rotation, recomputed rather than saved)."""
+    """GEMMs and attention, except rank-r LoRA products (a GEMM over a LoRA weight), ``UNFUSED`` ops,
+    and every op outside ATen (fused kernels such as ``loracc::lora_linear``, which hold a GEMM) but the
+    cheap ones (``RECOMPUTABLE``: a quantized weight's decoding, the interleaved rotation, recomputed
+    rather than saved)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.target in RECOMPUTABLE:
         return False
     packet = node.target.overloadpacket
-    if packet in ATTENTION or node.target.namespace != "aten":
+    if packet in ATTENTION or packet in UNFUSED or node.target.namespace != "aten":
         return True
     return packet in GEMMS and not any(role(storage_key(a)[0]) in ("lora_A", "lora_B") for a in node.all_input_nodes)
 
@@ -390,12 +400,16 @@ def _is_lora_u(node: fx.Node) -> bool:
 
 
 def _flops(node: fx.Node) -> int | None:
-    """FLOPs of a GEMM or attention node, from its fake values; None for an op it cannot count."""
+    """FLOPs of a GEMM or attention node, from its fake values, or what an ``UNFUSED`` op's memory
+    traffic (its tensor inputs and outputs) is worth; None for an op it cannot count."""
     out = node.meta["val"]
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    args = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
     packet = node.target.overloadpacket
     hint = _compat.hint  # symbolic sizes count at the traced shapes
+    if packet in UNFUSED:
+        moved = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)] + list(out if isinstance(out, (tuple, list)) else [out])
+        return FLOPS_PER_BYTE * sum(value_bytes(t) for t in moved)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    args = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
     if packet in ATTENTION:
         query, key = args[0], args[1]
         return 4 * hint(query.numel()) * hint(key.shape[-2])
