@@ -71,8 +71,8 @@ ATTENTION = {
 # Ops that run as ATen kernels of their own, recomputed at the cost of a pass over their tensors: no
 # row kernel absorbs them (a group norm's rows, (C / groups) · H · W, are wider than fusion.MAX_WIDTH).
 UNFUSED = {aten.native_group_norm}
-# What a byte moved is worth in FLOPs, for ``UNFUSED`` ops: a GPU's tensor FLOPs over its memory
-# bandwidth (H100: ~990 TFLOP/s of bf16 over ~3.35 TB/s), rounded.
+# What a byte moved is worth in FLOPs, for ``UNFUSED`` ops: a GPU's dense 16-bit tensor FLOPs over its
+# memory bandwidth, a few hundred on current data-center GPUs (docs/decisions/049).
 FLOPS_PER_BYTE = 256
 FASTEST = None  # the price of recomputing a GEMM, attention or an UNFUSED op in the fastest plan: never
 # Prices in bytes saved per FLOP recomputed: 4 steps per octave from 2^-48 (a byte is worth far more
