@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from loracc.codegen.fused_rows import RowKernel
+from loracc.codegen.fused_rows import RowKernel, split_cats
 from loracc.passes.fusion import FusedRows, fusion
 
 from conftest import rel_err
@@ -64,6 +64,12 @@ def geglu(gate, up):
     return F.gelu(gate, approximate="tanh") * up
 
 
+def geglu_chunked(x):
+    """diffusers' GEGLU: one projection's output split into the value and its gate (exact GELU)."""
+    hidden, gate = x.chunk(2, dim=-1)
+    return hidden * F.gelu(gate)
+
+
 def softmax_rows(x):
     shifted = x - x.amax(-1, keepdim=True)
     e = shifted.exp()
@@ -94,10 +100,12 @@ def _case(name, dtype):
         return _with_grads(geglu, 2), (r(5, 19, 50), r(5, 19, 50), r(5, 19, 50))
     if name == "softmax":
         return _with_grads(softmax_rows, 1), (r(7, 33), r(7, 33))
+    if name == "geglu_chunked":  # its gradient: the cat of the value's and the gate's, stored piece by piece
+        return _with_grads(geglu_chunked, 1), (r(3, 13, 74), r(3, 13, 37))
     raise KeyError(name)
 
 
-CASES = ["rms_norm", "rotary", "rotary_pairs", "swiglu", "geglu", "softmax"]
+CASES = ["rms_norm", "rotary", "rotary_pairs", "swiglu", "geglu", "softmax", "geglu_chunked"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -202,6 +210,22 @@ def test_equal_groups_of_one_graph_render_one_source_and_each_still_matches_its_
         expected = kernel.group(*args)
         got = kernel(*args, out=[torch.full_like(e, float("nan")) for e in expected])
         assert all(rel_err(g, e) <= TOLERANCE[torch.float32] for g, e in zip(got, expected))
+
+
+def test_a_cat_only_the_output_reads_is_stored_piece_by_piece():
+    """The chunked GEGLU's input gradient is a ``cat`` of two pieces of 37 columns that nothing else in
+    its group reads: the kernel stores each piece at its columns (two stores into that output, no
+    selection between the pieces), and its programs span the 37 columns of a piece, not the 74 of the
+    ``cat``; a rotation's ``cat``, read by a multiply, is still computed as one value. Their numbers:
+    ``test_each_group_kernel_matches_its_ops``."""
+    fn, inputs = _case("geglu_chunked", torch.float32)
+    kernels = [RowKernel(node.target) for node in _fused(fn, inputs)[2]]
+    [backward] = [k for k in kernels if any(piece for piece in split_cats(k.group.graph).values())]
+    assert backward.width == 37 and backward.block_d == 64, backward.name
+    stores = [line for line in backward.source.splitlines() if "tl.store(out0" in line]
+    assert len(stores) == 2 and "(cols + 37)" in stores[1] and "tl.where(cols < 37" not in backward.source
+    fn, inputs = _case("rotary", torch.float32)
+    assert not any(split_cats(node.target.graph) for node in _fused(fn, inputs)[2])
 
 
 def test_forward_and_backward_of_a_norm_are_one_kernel():

@@ -1,10 +1,14 @@
 """A fused group of pointwise ops and row reductions (``ir.fused_rows.FusedRows``, made by ``passes.fusion``) as one Triton kernel.
 
 The kernel (``templates/fused_rows.py.jinja``) gives each program ``BLOCK_R`` rows of the group's
-frame and whole rows of ``BLOCK_D`` columns. Every value of the group is an expression of the
+frame and whole rows of ``BLOCK_D`` columns, enough for every value the group stores or reduces. Every value of the group is an expression of the
 column index: a value at column ``c`` of ``x`` (``x[..., c]``) is emitted once per column offset
 it is read at, so data moves along the last dim (slices, ``cat``, ``slice_backward``,
-``loracc::rotate_pairs``: rotary embeddings) are index shifts of loads, never copies; a row reduction is a sum or a NaN-propagating
+``loracc::rotate_pairs``: rotary embeddings) are index shifts of loads, never copies. A ``cat`` that
+only an output reads is stored piece by piece, each at its columns (``split_cats``): every lane
+computes each piece once, where an expression over the whole ``cat`` would compute every piece in
+every lane and keep one (a GEGLU's gradient, the ``cat`` of its value's and its gate's, computes the
+GELU and its derivative once each). A row reduction is a sum or a NaN-propagating
 max over the program's columns; a value of width 1 is one number per row. Inputs are read through
 their strides (broadcast dims read stride 0), outputs are written with the strides the graph
 recorded for them; offsets are int64 where one can reach 2^31. Values in 16-bit dtypes are computed
@@ -37,6 +41,7 @@ TL_DTYPES = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.f
 ROUNDED = (torch.bfloat16, torch.float16)
 SQRT_2_OVER_PI = 0.7978845608028654
 ELEMENTS_PER_PROGRAM = 4096
+ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default)  # over a row's columns, in one program
 
 
 def _lit(x) -> str:
@@ -120,13 +125,32 @@ def _width(val) -> int:
     return val.shape[-1] if isinstance(val, torch.Tensor) and val.ndim else 1
 
 
+def split_cats(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[int, fx.Node]]]:
+    """The ``cat`` nodes of a group's graph (``FusedRows.graph``) that only its output reads, each with its pieces
+    (``(first column, piece)``, pieces without columns left out): the kernel stores each piece at its
+    columns instead of computing the ``cat`` (see the module's docstring)."""
+    out = output_node(gm)
+    split = {}
+    for node in gm.graph.find_nodes(op="call_function", target=aten.cat.default):
+        if set(node.users) == {out}:
+            pieces, start = [], 0
+            for t in node.args[0]:
+                width = t.meta["val"].shape[-1]
+                if width and t.meta["val"].numel():
+                    pieces.append((start, t))
+                start += width
+            split[node] = pieces
+    return split
+
+
 class _Emitter:
     """Writes the kernel body: loads, one line per value at each column offset it is read at, stores."""
 
-    def __init__(self, group: FusedRows, block_d: int):
+    def __init__(self, group: FusedRows, block_d: int, split: dict | None = None):
         self.group = group
         self.rows = group.rows
         self.block_d = block_d
+        self.split = split or {}  # ``split_cats``: stored piece by piece
         self.inputs = {n: i for i, n in enumerate(group.graph.graph.find_nodes(op="placeholder"))}
         self.names = local_names(group.graph.graph)
         self.lines: list[str] = []
@@ -249,7 +273,7 @@ class _Emitter:
                 t = f"(2.0 * tl.sigmoid(2.0 * ({inner})) - 1.0)"
                 return f"{g} * (0.5 * (1.0 + {t}) + 0.5 * {x} * (1.0 - {t} * {t}) * {SQRT_2_OVER_PI} * (1.0 + 0.134145 * {x} * {x}))"
             return f"{g} * (0.5 * (1.0 + erf32({x} * 0.7071067811865476)) + {x} * tl.exp(-0.5 * {x} * {x}) * 0.3989422804014327)"
-        if target in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default):
+        if target in ROW_REDUCTIONS:
             source = args[0]
             width = _width(source.meta["val"])
             x = self.value(source, 0)
@@ -298,8 +322,11 @@ class _Emitter:
             self.lines.append(f"tl.store({pointer} + {row}, {self.value(node, None)}.to({store_dtype}), mask=row_ok)")
         else:
             col_stride = self._stride(pointer, "out", index, val.ndim - 1)
-            mask = "row_ok" + (f" & (cols < {val.shape[-1]})" if val.shape[-1] < self.block_d else "")
-            self.lines.append(f"tl.store({pointer} + {row} + cols * {col_stride}, {self.value(node, 0)}.to({store_dtype}), mask={mask})")
+            for start, piece in self.split.get(node, [(0, node)]):
+                width = _width(piece.meta["val"])
+                at = "cols" if start == 0 else f"(cols + {start})"
+                mask = "row_ok" + (f" & (cols < {width})" if width < self.block_d else "")
+                self.lines.append(f"tl.store({pointer} + {row} + {at} * {col_stride}, {self.value(piece, 0)}.to({store_dtype}), mask={mask})")
 
 
 def local_names(graph: fx.Graph) -> dict[fx.Node, str]:
@@ -353,8 +380,11 @@ class RowKernel:
         self.symbolic = any(_compat.is_symbolic(n.meta.get("val")) for n in nodes) or any(map(_compat.is_symbolic, rows))
         self._sizes = _SymbolicSizes(group, list(output_node(gm).args[0])) if self.symbolic else None
         self.n_rows = _compat.hint(math.prod(rows))  # symbolic sizes: at the traced shapes
-        widths = [_width(n.meta.get("val")) for n in nodes if n.op != "output"]
-        self.width = max(widths)
+        # A program's columns: those of the values the group stores (a split cat's pieces) and reduces.
+        split = split_cats(gm)
+        stored = [piece for o in output_node(gm).args[0] for _, piece in split.get(o, [(0, o)])]
+        reduced = [n.args[0] for n in nodes if n.op == "call_function" and n.target in ROW_REDUCTIONS]
+        self.width = max([_width(n.meta.get("val")) for n in stored + reduced if isinstance(n, fx.Node)], default=1)
         self.block_d = 1 << (self.width - 1).bit_length()
         self.block_r = max(1, min(1 << max(self.n_rows - 1, 0).bit_length(), ELEMENTS_PER_PROGRAM // self.block_d))
         elements = self.block_r * self.block_d
@@ -362,7 +392,7 @@ class RowKernel:
         self.outputs = list(output_node(gm).args[0])
         self.output_vals = [o.meta["val"] for o in self.outputs]
 
-        emitter = _Emitter(group, self.block_d)
+        emitter = _Emitter(group, self.block_d, split)
         for i, out in enumerate(self.outputs):
             emitter.store(i, out)
         self.stride_of = emitter.stride_of
