@@ -7,6 +7,7 @@ instead (over an FP8 weight, on FP8 tensor cores: ``fp8_gemm``); every group the
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
 chunk (``cross_entropy``); on CUDA, ``loracc::dequant_nf4`` calls its decoding kernel directly
 (``nf4.dequantize``: the custom op's dispatch would cost more host time than the kernel's launch);
+``aten.native_group_norm`` computes each group's moments in chunks in parallel (``group_norm``);
 every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
@@ -26,9 +27,10 @@ from ..ir.fused_rows import FusedRows
 from ..ir.graph import copy_nodes, gc_paused, info
 from ..ir.ops import LORA_LINEAR, LORA_LINEAR_BACKWARD
 from ..quant.nf4 import DEQUANT_NF4
-from . import cross_entropy, fp8_gemm, fused_rows, lora_linear, nf4, precompile, triton_key
+from . import cross_entropy, fp8_gemm, fused_rows, group_norm, lora_linear, nf4, precompile, triton_key
 
 log = logging.getLogger("loracc")
+aten = torch.ops.aten
 
 
 def available(device: torch.device) -> str | None:
@@ -124,6 +126,16 @@ class TritonBackend:
                                                    **node.kwargs))
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
                                     "runs": "generated kernel (chunked softmax)" if reason is None else f"reference op: {reason}"})
+                continue
+            if node.op == "call_function" and node.target is aten.native_group_norm.default:
+                x, weight, bias = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:3])
+                reason = group_norm.unsupported(x, weight, bias, node.args[6])
+                if reason is None:
+                    node.target = group_norm.group_norm
+                    ahead += group_norm.warmups(x, weight, bias, node.args[6], self.device)
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
+                                    "runs": "generated kernels (group norm, moments in chunks)" if reason is None
+                                    else f"reference op: {reason}"})
                 continue
             if node.op == "call_function" and node.target is DEQUANT_NF4 and self.device.type == "cuda":
                 node.target = nf4.dequantize  # the op's CUDA kernel, the same arguments

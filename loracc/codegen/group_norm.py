@@ -1,0 +1,99 @@
+"""``aten.native_group_norm`` (the forward of ``nn.GroupNorm``) as two Triton kernels (``templates/group_norm.py.jinja``).
+
+ATen's CUDA kernel computes each group's moments in one thread block: ``N · G`` blocks, 128 for a
+UNet's norm at batch 4 with 32 groups, on a device of 132 multiprocessors, each block reading up to
+C/G · H · W values (163,840 at SDXL's 128² latents) alone. Here a group's moments are computed by
+chunks of ``CHUNK`` elements in parallel (``N · G · ⌈L / CHUNK⌉`` programs), then a second kernel
+combines each group's chunks and writes the normalized output, chunk by chunk. Why and what it
+measured: docs/decisions/050-group-norm-moments-in-chunks.md.
+
+``group_norm`` takes and returns what the ATen op does (``(out, mean, rstd)``, mean and rstd
+``[N, G]`` in the input's dtype), so ATen's ``native_group_norm_backward`` reads them as its own.
+Contract: a contiguous input of 16- or 32-bit floats with at least one element a group, and affine
+parameters of its dtype (ATen's CUDA op takes no other; its CPU op computes a 16-bit input with fp32
+parameters with fp32 statistics); anything else (``unsupported``) runs ATen's op, as a call whose
+input is not contiguous at run time does.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..ir.dtypes import SHORT_NAMES
+from . import cache
+from .render import render
+
+aten = torch.ops.aten
+CHUNK = 4096  # elements of a group per program
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unsupported(x, weight, bias, groups) -> str | None:
+    """Why ``group_norm`` cannot run a call with these fake values (None: it can)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
+        return f"input dtype {getattr(x, 'dtype', None)}"
+    if x.dim() < 2 or not x.is_contiguous():
+        return "input not contiguous [N, C, *] (channels-last or a view)"
+    if x.numel() == 0 or x.shape[1] % groups:
+        return "no elements, or channels not a multiple of the groups"
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or not t.is_contiguous()):
+            return f"{name} not contiguous, or of a dtype ({t.dtype}) other than the input's ({x.dtype})"
+    return None
+
+
+@functools.cache
+def _kernels(dtype: torch.dtype, device: torch.device):
+    dt = SHORT_NAMES[dtype]
+    name = f"group_norm_{dt}"
+    shapes = [f"x, y: [N, C, *] {dt}, contiguous (a group: C/G channels, L = C/G · H · W contiguous elements)",
+              f"weight, bias: [C] {dt} or none", f"mean, rstd: [N, G] {dt}", "partial moments: [N · G, ⌈L / CHUNK⌉, 2] fp32"]
+    source = render("group_norm.py.jinja", name=name, shapes=shapes, dtype_name=dt)
+    return cache.load_kernel(f"{name}_moments", source, device), cache.load_kernel(f"{name}_apply", source, device)
+
+
+def _launch_sizes(N: int, C: int, HxW: int, group: int) -> tuple[int, int, int]:
+    """``(L, S, S_BLOCK)``: a group's elements, its chunks and the power of two the chunks' moments are read in."""
+    L = C // group * HxW
+    S = -(-L // CHUNK)
+    return L, S, max(2, 1 << (S - 1).bit_length())
+
+
+def warmups(x, weight, bias, group: int, device: torch.device) -> list:
+    """Callables that compile the two kernels for a call with these (traced) values, without running them
+    (``precompile``); the integer arguments at the traced sizes, so Triton specializes them as the call will."""
+    from .. import _compat
+    from .precompile import pointer
+
+    N, C = _compat.hint(x.shape[0]), _compat.hint(x.shape[1])
+    HxW = math.prod(_compat.hint(s) for s in x.shape[2:])
+    L, S, s_block = _launch_sizes(N, C, HxW, group)
+    moments, apply = _kernels(x.dtype, device)
+    stats = pointer(x.dtype)
+    return [
+        lambda: moments.warmup(pointer(x), pointer(torch.float32), L, S, CHUNK=CHUNK, num_warps=8, grid=(1,)),
+        lambda: apply.warmup(pointer(x), pointer(weight if weight is not None else x), pointer(bias if bias is not None else x),
+                             pointer(x.dtype), stats, stats, pointer(torch.float32), L, S, HxW, C // group, group, 1e-5,
+                             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CHUNK=CHUNK, S_BLOCK=s_block,
+                             num_warps=8, grid=(1,)),
+    ]
+
+
+def group_norm(x: torch.Tensor, weight, bias, N: int, C: int, HxW: int, group: int, eps: float):
+    """``aten.native_group_norm(x, weight, bias, N, C, HxW, group, eps)``: ``(out, mean, rstd)``."""
+    if not x.is_contiguous() or unsupported(x, weight, bias, group) is not None:
+        return aten.native_group_norm(x, weight, bias, N, C, HxW, group, eps)
+    moments, apply = _kernels(x.dtype, x.device)
+    y = torch.empty_like(x)
+    mean = torch.empty(N, group, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(N, group, dtype=x.dtype, device=x.device)
+    L, S, s_block = _launch_sizes(N, C, HxW, group)
+    partial = torch.empty(N * group, S, 2, dtype=torch.float32, device=x.device)
+    grid = (N * group, S)
+    moments[grid](x, partial, L, S, CHUNK=CHUNK, num_warps=8)
+    apply[grid](x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd, partial,
+                L, S, HxW, C // group, group, float(eps), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                CHUNK=CHUNK, S_BLOCK=s_block, num_warps=8)
+    return y, mean, rstd
