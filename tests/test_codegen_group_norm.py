@@ -105,6 +105,48 @@ def test_the_backward_reads_the_kernels_statistics_as_atens():
         assert rel_err(g, w) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["two-chunks", "large-mean", "no-affine", "small"])
+def test_the_input_gradient_matches_atens(dtype, case):
+    """The input gradient from the statistics ATen's forward wrote, against ATen's backward and against
+    float64 autograd of the group norm (mean and rstd as rounded); outputs poisoned."""
+    shape, kwargs, groups = (3, 12, 37, 41), {}, 4
+    if case == "large-mean":
+        kwargs["offset"] = 300.0
+    elif case == "no-affine":
+        kwargs["affine"] = False
+    elif case == "small":
+        shape, groups = (2, 6, 5), 3
+    x, weight, bias = _inputs(dtype, shape, **kwargs)
+    N, C = x.shape[:2]
+    HxW = x[0, 0].numel()
+    _, mean, rstd = aten.native_group_norm(x, weight, bias, N, C, HxW, groups, 1e-5)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    with pytest.MonkeyPatch.context() as mp:
+        real = torch.empty_like
+        mp.setattr(group_norm.torch, "empty_like", lambda *a, **k: real(*a, **k).fill_(float("nan")))
+        got, none_w, none_b = group_norm.group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, groups, [True, False, False])
+    assert none_w is None and none_b is None and got.dtype == dtype and not got.isnan().any()
+    want = aten.native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, groups, [True, False, False])[0]
+    # float64 autograd through the normalization with the given (rounded) mean and rstd
+    leaf = x.double().requires_grad_(True)
+    shaped = leaf.reshape(N, groups, -1)
+    normed = ((shaped - shaped.mean(-1, keepdim=True)) * (shaped.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()).reshape(x.shape)
+    scale = weight.double().reshape((1, C) + (1,) * (x.dim() - 2)) if weight is not None else 1.0
+    (exact,) = torch.autograd.grad(normed * scale, leaf, grad.double())
+    assert rel_err(got.float(), want.float()) <= TOLERANCE[dtype], case
+    if dtype == torch.float32:  # a 16-bit mean and rstd are rounded: the float64 gradient is another function
+        assert rel_err(got.double(), exact) <= 1e-4, case
+
+
+def test_the_input_gradient_alone_is_asked_of_the_kernels():
+    x, weight, bias = _inputs(torch.float32)
+    grad = torch.randn_like(x)
+    assert "weight's or bias's gradient" in group_norm.backward_unsupported(grad, x, weight, [True, True, False])
+    assert "another dtype" in group_norm.backward_unsupported(grad.double(), x, weight, [True, False, False])
+    assert group_norm.backward_unsupported(grad, x, weight, [True, False, False]) is None
+
+
 def test_layouts_it_does_not_take_are_named_and_run_atens_op():
     x, weight, bias = _inputs(torch.float32)
     channels_last = x.to(memory_format=torch.channels_last)
@@ -124,8 +166,8 @@ def test_layouts_it_does_not_take_are_named_and_run_atens_op():
 
 def test_a_compiled_resnet_block_runs_the_kernels_with_eagers_gradients():
     """A diffusers-style ResNet block (group norm, SiLU, convolution, the time embedding added) compiled
-    with the Triton backend: its group norms run the kernels (the report says so), its loss and every
-    LoRA gradient within fp32's 1e-4 of eager."""
+    with the Triton backend: its group norms and their input gradients run the kernels (the report says
+    so), every LoRA gradient within fp32's 1e-4 of eager."""
     import copy
 
     torch.manual_seed(0)
@@ -163,5 +205,7 @@ def test_a_compiled_resnet_block_runs_the_kernels_with_eagers_gradients():
         if p.requires_grad:
             assert rel_err(q.grad, p.grad) <= 1e-4, name
     report = compiled._loracc.backend.report
-    runs = [e["runs"] for e in report if e["node"].startswith("native_group_norm") and e["stage"] == "forward"]
-    assert runs and all(r == "generated kernels (group norm, moments in chunks)" for r in runs), report
+    forward = [e["runs"] for e in report if e["node"].startswith("native_group_norm") and "backward" not in e["node"]]
+    backward = [e["runs"] for e in report if e["node"].startswith("native_group_norm_backward")]
+    assert forward and all(r == "generated kernels (group norm, moments in chunks)" for r in forward), report
+    assert backward and all(r.startswith("generated kernels (group norm's input gradient") for r in backward), report

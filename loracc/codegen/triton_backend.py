@@ -7,7 +7,8 @@ instead (over an FP8 weight, on FP8 tensor cores: ``fp8_gemm``); every group the
 (``fused_rows.RowKernel``); ``loracc::linear_cross_entropy`` runs its softmax in one kernel per
 chunk (``cross_entropy``); on CUDA, ``loracc::dequant_nf4`` calls its decoding kernel directly
 (``nf4.dequantize``: the custom op's dispatch would cost more host time than the kernel's launch);
-``aten.native_group_norm`` computes each group's moments in chunks in parallel (``group_norm``);
+``aten.native_group_norm`` computes each group's moments in chunks in parallel, and its backward
+the input's gradient likewise (``group_norm``);
 every other node stays an ATen op. A node the kernels do not cover keeps the reference
 op, and the reason is kept in ``report`` (so nothing is silently approximated).
 """
@@ -136,6 +137,16 @@ class TritonBackend:
                 self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
                                     "runs": "generated kernels (group norm, moments in chunks)" if reason is None
                                     else f"reference op: {reason}"})
+                continue
+            if node.op == "call_function" and node.target is aten.native_group_norm_backward.default:
+                grad, x, _, _, weight = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:5])
+                reason = group_norm.backward_unsupported(grad, x, weight, node.args[9])
+                if reason is None:
+                    node.target = group_norm.group_norm_backward
+                    ahead += group_norm.warmups(x, weight, None, node.args[8], self.device, backward=True)
+                self.report.append({"stage": stage, "node": node.name, "layer": info(node).get("module"),
+                                    "runs": "generated kernels (group norm's input gradient, sums in chunks)"
+                                    if reason is None else f"reference op: {reason}"})
                 continue
             if node.op == "call_function" and node.target is DEQUANT_NF4 and self.device.type == "cuda":
                 node.target = nf4.dequantize  # the op's CUDA kernel, the same arguments
