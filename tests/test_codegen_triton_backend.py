@@ -54,6 +54,28 @@ def _step(model, ids):
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def test_a_fused_gate_and_up_projection_trains_with_eagers_gradients():
+    """Phi-3 computes its gate and up projections as one (``gate_up_proj``) and chunks the output: the
+    MLP's backward group ends in the ``cat`` of the two halves' gradients, which its kernel stores half
+    by half (``fused_rows.split_cats``). Every LoRA gradient against eager PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=97, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    reference = get_peft_model(Phi3ForCausalLM(config), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])).to(DEVICE)
+    model = loracc.compile(copy.deepcopy(reference), backend="triton", cuda_graphs=False)
+    ids = torch.randint(1, 97, (2, 13), device=DEVICE)
+    (loss, grads), (ref_loss, ref_grads) = _step(model, ids), _step(reference, ids)
+    assert rel_err(loss, ref_loss) < 1e-5
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < 1e-4, name
+    kernels = [e["runs"] for e in model._loracc.backend.report if e["node"].startswith("fused_rows")]
+    assert "generated kernel rows_mul_silu_backward_cat_w72" in kernels, kernels  # the halves' width, not the cat's 144
+
+
 @pytest.mark.parametrize("dropout,targets", [(0.0, ALL_TARGETS), (0.1, ["v_proj", "down_proj"])])
 def test_compiled_llama_matches(dropout, targets):
     """No dropout: against eager PEFT. Dropout: against the eager backend (same graph, same masks)."""
