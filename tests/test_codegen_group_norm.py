@@ -142,9 +142,10 @@ def test_the_input_gradient_matches_atens(dtype, case):
 def test_the_input_gradient_alone_is_asked_of_the_kernels():
     x, weight, bias = _inputs(torch.float32)
     grad = torch.randn_like(x)
-    assert "weight's or bias's gradient" in group_norm.backward_unsupported(grad, x, weight, [True, True, False])
-    assert "another dtype" in group_norm.backward_unsupported(grad.double(), x, weight, [True, False, False])
-    assert group_norm.backward_unsupported(grad, x, weight, [True, False, False]) is None
+    assert "weight's or bias's gradient" in group_norm.backward_unsupported(grad, x, weight, 4, [True, True, False])
+    assert "another dtype" in group_norm.backward_unsupported(grad.double(), x, weight, 4, [True, False, False])
+    assert "multiple of the groups" in group_norm.backward_unsupported(grad, x, weight, 5, [True, False, False])
+    assert group_norm.backward_unsupported(grad, x, weight, 4, [True, False, False]) is None
 
 
 def test_layouts_it_does_not_take_are_named_and_run_atens_op():

@@ -89,7 +89,7 @@ def warmups(x, weight, bias, group: int, device: torch.device, backward: bool = 
 
 def group_norm(x: torch.Tensor, weight, bias, N: int, C: int, HxW: int, group: int, eps: float):
     """``aten.native_group_norm(x, weight, bias, N, C, HxW, group, eps)``: ``(out, mean, rstd)``."""
-    if not x.is_contiguous() or unsupported(x, weight, bias, group) is not None:
+    if unsupported(x, weight, bias, group) is not None:
         return aten.native_group_norm(x, weight, bias, N, C, HxW, group, eps)
     moments, apply, _, _ = _kernels(x.dtype, x.device)
     y = torch.empty_like(x)
@@ -105,20 +105,19 @@ def group_norm(x: torch.Tensor, weight, bias, N: int, C: int, HxW: int, group: i
     return y, mean, rstd
 
 
-def backward_unsupported(grad, x, weight, output_mask) -> str | None:
+def backward_unsupported(grad, x, weight, groups, output_mask) -> str | None:
     """Why ``group_norm_backward`` cannot run a call with these fake values (None: it can)."""
     if list(output_mask) != [True, False, False]:
         return "the weight's or bias's gradient asked for (the kernels compute the input's)"
     if not isinstance(grad, torch.Tensor) or grad.dtype != getattr(x, "dtype", None) or not grad.is_contiguous():
         return "output gradient not contiguous, or of another dtype than the input"
-    return unsupported(x, weight, None, 1)
+    return unsupported(x, weight, None, groups)
 
 
 def group_norm_backward(grad, x, mean, rstd, weight, N: int, C: int, HxW: int, group: int, output_mask):
     """``aten.native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, output_mask)``:
     ``(grad_input, None, None)`` where only the input's gradient is asked for (``backward_unsupported``)."""
-    if not (grad.is_contiguous() and x.is_contiguous()) or backward_unsupported(grad, x, weight, output_mask) is not None \
-            or C % group:
+    if backward_unsupported(grad, x, weight, group, output_mask) is not None:
         return aten.native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, output_mask)
     _, _, moments, apply = _kernels(x.dtype, x.device)
     L, S, s_block = _launch_sizes(N, C, HxW, group)

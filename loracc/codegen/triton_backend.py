@@ -140,7 +140,7 @@ class TritonBackend:
                 continue
             if node.op == "call_function" and node.target is aten.native_group_norm_backward.default:
                 grad, x, _, _, weight = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:5])
-                reason = group_norm.backward_unsupported(grad, x, weight, node.args[9])
+                reason = group_norm.backward_unsupported(grad, x, weight, node.args[8], node.args[9])
                 if reason is None:
                     node.target = group_norm.group_norm_backward
                     ahead += group_norm.warmups(x, weight, None, node.args[8], self.device, backward=True)
