@@ -30,6 +30,17 @@ def _inputs(dtype, shape=(3, 12, 37, 41), offset=0.0, affine=True, seed=0):
     return x, weight, bias
 
 
+CASES = ["two-chunks", "large-mean", "no-affine", "small"]
+
+
+def _case(case: str, dtype) -> tuple:
+    """``(x, weight, bias, groups)`` of a named case: a group of 4,551 elements (two chunks); the same
+    around a mean of 300; without affine parameters; a [N, C, L] input (a Conv1d's) of groups of 10."""
+    if case == "small":
+        return (*_inputs(dtype, (2, 6, 5)), 3)
+    return (*_inputs(dtype, offset=300.0 if case == "large-mean" else 0.0, affine=case != "no-affine"), 4)
+
+
 def _reference(x, weight, bias, groups, eps=1e-5):
     """ATen's CUDA op written out (float64 moments): mean and rstd rounded to the input's dtype, then
     y = x · a + b in fp32 from the rounded values, a = rstd · weight, b = −a · mean + bias."""
@@ -69,18 +80,11 @@ def _run(x, weight, bias, groups, eps=1e-5):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["two-chunks", "large-mean", "no-affine", "small"])
+@pytest.mark.parametrize("case", CASES)
 def test_outputs_match_aten(dtype, case):
-    shape, kwargs, groups = (3, 12, 37, 41), {}, 4
-    if case == "large-mean":
-        kwargs["offset"] = 300.0
-    elif case == "no-affine":
-        kwargs["affine"] = False
-    elif case == "small":
-        shape, groups = (2, 6, 5), 3  # [N, C, L]: a Conv1d's layout, groups of 10 elements
     if dtype == torch.bfloat16 and case == "large-mean" and DEVICE == "cpu":
         pytest.skip("Triton's interpreter rounds fp32 to bf16 by truncation: a mean near 300 moves by a bf16 step (2)")
-    x, weight, bias = _inputs(dtype, shape, **kwargs)
+    x, weight, bias, groups = _case(case, dtype)
     got, atens = _run(x, weight, bias, groups)
     # The output is computed from the mean rounded to its dtype, as ATen's CUDA op does (its CPU op
     # keeps the fp32 mean: a bf16 mean far from zero would differ); the written-out reference too.
@@ -106,18 +110,11 @@ def test_the_backward_reads_the_kernels_statistics_as_atens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["two-chunks", "large-mean", "no-affine", "small"])
+@pytest.mark.parametrize("case", CASES)
 def test_the_input_gradient_matches_atens(dtype, case):
     """The input gradient from the statistics ATen's forward wrote, against ATen's backward and against
     float64 autograd of the group norm (mean and rstd as rounded); outputs poisoned."""
-    shape, kwargs, groups = (3, 12, 37, 41), {}, 4
-    if case == "large-mean":
-        kwargs["offset"] = 300.0
-    elif case == "no-affine":
-        kwargs["affine"] = False
-    elif case == "small":
-        shape, groups = (2, 6, 5), 3
-    x, weight, bias = _inputs(dtype, shape, **kwargs)
+    x, weight, bias, groups = _case(case, dtype)
     N, C = x.shape[:2]
     HxW = x[0, 0].numel()
     _, mean, rstd = aten.native_group_norm(x, weight, bias, N, C, HxW, groups, 1e-5)
