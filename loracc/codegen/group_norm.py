@@ -1,8 +1,8 @@
 """``aten.native_group_norm`` and its input gradient as Triton kernels (``templates/group_norm.py.jinja``), two each.
 
-ATen's CUDA kernel computes each group's moments in one thread block: ``N · G`` blocks, 128 for a
-UNet's norm at batch 4 with 32 groups, on a device of 132 multiprocessors, each block reading up to
-C/G · H · W values (163,840 at SDXL's 128² latents) alone. Here a group's moments are computed by
+ATen's CUDA kernel computes each group's moments in one thread block: ``N · G`` blocks, fewer than a
+GPU has multiprocessors for a UNet's norms at small batches, each block reading all C/G · H · W values
+of its group alone. Here a group's moments are computed by
 chunks of ``CHUNK`` elements in parallel (``N · G · ⌈L / CHUNK⌉`` programs), then a second kernel
 combines each group's chunks and writes the normalized output, chunk by chunk. The input gradient
 (``group_norm_backward``) likewise: each group's two sums by chunks, then the gradient. Why and what
@@ -28,12 +28,11 @@ from .render import render
 
 aten = torch.ops.aten
 CHUNK = 4096  # elements of a group per program
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def unsupported(x, weight, bias, groups) -> str | None:
     """Why ``group_norm`` cannot run a call with these fake values (None: it can)."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
+    if not isinstance(x, torch.Tensor) or x.dtype not in SHORT_NAMES:
         return f"input dtype {getattr(x, 'dtype', None)}"
     if x.dim() < 2 or not x.is_contiguous():
         return "input not contiguous [N, C, *] (channels-last or a view)"
