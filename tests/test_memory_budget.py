@@ -324,6 +324,60 @@ def test_a_byte_budget_plans_every_block_region_at_one_price_once_all_have_run()
             assert loracc.explain(compiled).predicted_peak_bytes <= limit
 
 
+class _GatedEager:
+    """The eager backend with each repeated graph behind a byte budget's waiting CUDA graphs
+    (``Replayers(gated=True)``), as the Triton backend's are on a GPU. On CPU tensors a graph let
+    in still runs from Python (a capture needs CUDA inputs): what settling decides is what counts."""
+
+    name = "eager"
+
+    def __init__(self):
+        from loracc.runtime.cuda_graphs import Replayers
+
+        self.graphs = Replayers(gated=True)
+
+    def compile(self, gm, stage, after=None, repeats=1, compiling=None, **options):
+        return gm if repeats < 2 else self.graphs(gm, f"{stage} graph", mode="auto", after=after, **options)
+
+
+def _settled(base, step, limit, backend=None):
+    """``base`` compiled under ``limit`` (its regions' graphs behind ``backend``), trained 3 steps with
+    eager's gradients: (its one remat price, its StepMemory, its gated pool or None)."""
+    eager, compiled = copy.deepcopy(base), loracc.compile(copy.deepcopy(base), memory_budget=limit)
+    if backend is not None:
+        for region in compiled._loracc.regions:
+            region.backend = backend
+    for seed in range(3):
+        _steps_with_eager_gradients(eager, compiled, step, seed)
+    regions = [r for r in compiled._loracc.regions if r.latest is not None]
+    (price,) = {p.reports["remat"]["price"] for r in regions for p in r.compiled_programs}
+    return price, regions[0].step, backend.graphs.pool if backend is not None else None
+
+
+def test_a_byte_budget_plans_room_for_its_cuda_graphs_where_a_price_leaves_it():
+    """CUDA graphs that wait for a byte budget's step to settle keep buffers of their own (copied
+    inputs, outputs, a workspace in their pool). Where a remat price leaves room for them, the step
+    settles at the highest such price, lower than without them, its predicted peak with their
+    buffers within the limit, and lets them in; where none does, it settles as without graphs and
+    keeps them out, saying why. Eager's gradients throughout."""
+    from loracc.runtime.memory import cuda_graph_bytes
+
+    base, step = _tiny_flux()
+    peaks = _peaks(base, step)
+    tight = (peaks[0.0] + peaks[None]) // 2  # the graphs' buffers are larger than the room above the smallest plan
+    plain_price, _, _ = _settled(base, step, tight)
+    price, memory, pool = _settled(base, step, tight, _GatedEager())
+    assert price == plain_price and pool.graphs_allowed is False
+    assert "would pass memory_budget" in pool.closed_because and memory.predicted_peak_bytes() <= tight
+
+    limit = tight + peaks[None] - peaks[0.0]  # the fastest plan fits, not with the graphs' buffers
+    plain_price, _, _ = _settled(base, step, limit)
+    price, memory, pool = _settled(base, step, limit, _GatedEager())
+    assert pool.graphs_allowed is True and cuda_graph_bytes(memory.runs()) > 0
+    assert memory.predicted_peak_bytes() <= limit
+    assert float(price) < float(plain_price)  # more recomputed to make room for the graphs' buffers
+
+
 def test_a_byte_budget_settles_with_frozen_regions_before_the_first_lora_layer():
     """A UNet's first ResNet blocks hold no LoRA layer and take no input needing a gradient: their
     calls have no backward, so they leave nothing waiting for one, and the step settles all the same

@@ -143,22 +143,52 @@ class StepMemory:
         None if there was nothing to settle or no price fits (the provisional plans stay: they fit).
         A step whose backward never runs leaves the plans provisional.
 
-        Then the CUDA graphs waiting for it (``cuda_graphs="auto"`` under a byte budget,
-        ``cuda_graphs.Replayers``) may replay if the step's predicted peak with their buffers
-        (``predicted_peak_bytes``) fits ``limit_bytes``; else they run from Python for good."""
+        Where CUDA graphs wait for it (``cuda_graphs="auto"`` under a byte budget,
+        ``cuda_graphs.Replayers``), the price is first the highest whose step fits with their buffers
+        too (``_settle_with_graphs``), and the graphs may then replay; where no price leaves them room,
+        the price is chosen without them and they run from Python for good. With nothing to settle,
+        they may replay if the step's predicted peak with their buffers (``predicted_peak_bytes``)
+        fits ``limit_bytes``."""
         if self.settled or self.in_flight or any(not r.programs for r in self.regions):
             return None
         self.settled = True  # every region has run: no program compiled from now on is provisional
-        chosen = self._settle_price(limit_bytes)
+        if not any(_provisional(p) for r in self.regions for p in r.compiled_programs):
+            self._admit_graphs(limit_bytes)
+            return None
+        cuts = [(r, Cut(r.latest.stages["joint"], r.latest.n_outputs)) for r in self.regions if r.latest is not None]
+        if self._waiting_pools():
+            chosen = self._settle_with_graphs(limit_bytes, cuts)
+            if chosen is not None:
+                return chosen
+        chosen = self._settle_price(limit_bytes, cuts)
         self._admit_graphs(limit_bytes)
         return chosen
 
-    def _settle_price(self, limit_bytes: int) -> float | str | None:
-        """``settle``'s price: every region planned again at the highest that fits, if any was planned provisionally."""
-        if not any(_provisional(p) for r in self.regions for p in r.compiled_programs):
-            return None
-        cuts = [(r, Cut(r.latest.stages["joint"], r.latest.n_outputs)) for r in self.regions if r.latest is not None]
+    def _settle_with_graphs(self, limit_bytes: int, cuts: list) -> float | str | None:
+        """``settle`` for a step whose CUDA graphs wait for it: every region planned at the highest
+        price whose step fits ``limit_bytes`` together with the graphs' buffers, and the graphs let in
+        (a replay saves the host's time a call from Python spends on every op, which recomputing a
+        little more on the device costs less than: decision 051). The buffers are taken from the
+        plans as they stand, the regions planned again with that much less room, and the step's
+        predicted peak with the new plans' buffers checked; short of it, a second try with the
+        shortfall taken off too. None where no try fits: the pools stay waiting, and ``settle``
+        plans for the step without them."""
+        room = limit_bytes - cuda_graph_bytes(self.runs())
+        for _ in range(2):
+            chosen = self._settle_price(room, cuts)
+            peak = self.predicted_peak_bytes()
+            if chosen is None or peak is None:
+                return None
+            if peak <= limit_bytes:
+                self._admit_graphs(limit_bytes)
+                return chosen
+            room -= peak - limit_bytes
+        return None
 
+    def _settle_price(self, limit_bytes: int, cuts: list) -> float | str | None:
+        """Every region of ``cuts`` (region, ``Cut``) planned again at the highest price whose step,
+        without CUDA graphs' buffers, fits ``limit_bytes`` (``Region.replan``: those already at it are
+        kept); the price as remat reports it, None (plans unchanged) where no price fits."""
         def peak(price) -> int:
             memories = [cut.memory(cut.plan(price), region.repeats) for region, cut in cuts]
             return step_peak_bytes(memories, self.persistent_bytes) + self.outside_bytes
@@ -171,12 +201,16 @@ class StepMemory:
             region.replan(price, chosen)
         return chosen
 
+    def _waiting_pools(self) -> dict:
+        """The pools of the regions' graphs that wait for the step to settle (``SharedPool.graphs_allowed`` None)."""
+        return {id(f.pool): f.pool for r in self.regions for p in r.compiled_programs
+                for f in (p.forward, p.backward) if isinstance(f, Replayer) and f.pool.graphs_allowed is None}
+
     def _admit_graphs(self, limit_bytes: int) -> None:
         """Open the pools whose graphs wait for the settled plans (``SharedPool.graphs_allowed`` None)
         where the step's predicted peak, the graphs' buffers included, fits ``limit_bytes``; else
         close them for good, saying why."""
-        pools = {id(f.pool): f.pool for r in self.regions for p in r.compiled_programs
-                 for f in (p.forward, p.backward) if isinstance(f, Replayer) and f.pool.graphs_allowed is None}
+        pools = self._waiting_pools()
         if not pools:
             return
         peak = self.predicted_peak_bytes()
@@ -185,7 +219,7 @@ class StepMemory:
             pool.graphs_allowed = fits
             if not fits:
                 pool.closed_because = (f"with its CUDA graphs' buffers the step's predicted peak ({(peak or 0) / 2**30:.2f} "
-                                       f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB)")
+                                       f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB) at every remat price")
 
 
 def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:
