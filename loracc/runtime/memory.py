@@ -23,7 +23,7 @@ from torch import nn
 from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
 from ..options import INT8_STATE_BLOCK, parse_optimizer_state
-from ..passes.memory_plan import MemoryPlanReport, step_peak_bytes
+from ..passes.memory_plan import MemoryPlanReport, RegionMemory, step_peak_bytes
 from ..passes.remat import SEARCH, Cut, Reserve, report_price, search_prices
 from ..pipeline import Program
 from .cuda_graphs import Replayer, routes
@@ -168,30 +168,39 @@ class StepMemory:
         """``settle`` for a step whose CUDA graphs wait for it: every region planned at the highest
         price whose step fits ``limit_bytes`` together with the graphs' buffers, and the graphs let in
         (a replay saves the host's time a call from Python spends on every op, which recomputing a
-        little more on the device costs less than: decision 051). The buffers are taken from the
-        plans as they stand, the regions planned again with that much less room, and the step's
-        predicted peak with the new plans' buffers checked; short of it, a second try with the
-        shortfall taken off too. None where no try fits: the pools stay waiting, and ``settle``
-        plans for the step without them."""
-        room = limit_bytes - cuda_graph_bytes(self.runs())
+        little more on the device costs less than: decision 051). The buffers at a price: what the
+        graphs keep whatever the plan (``cuda_graph_bytes``' copied inputs and kept outputs, from the
+        programs as they stand) and the largest workspace of a graphed region's plan at that price
+        (``_graph_workspace``). The step's predicted peak with the new programs' buffers is then
+        checked; short of it, a second try with the shortfall taken off too. None where no try fits:
+        the pools stay waiting, and ``settle`` plans for the step without them."""
+        runs = self.runs()
+        kept = cuda_graph_bytes(runs) - max((_graph_workspace(p, stage) for p, _ in runs for stage in _graphed(p)), default=0)
+        graphed = [(region, cut) for region, cut in cuts if _graphed(region.latest)]
+
+        def graph_bytes(price) -> int:
+            return kept + max((_cut_workspace(cut, cut.memory(cut.plan(price), region.repeats)) for region, cut in graphed),
+                              default=0)
+
+        shortfall = 0
         for _ in range(2):
-            chosen = self._settle_price(room, cuts)
+            chosen = self._settle_price(limit_bytes - shortfall, cuts, graph_bytes)
             peak = self.predicted_peak_bytes()
             if chosen is None or peak is None:
                 return None
             if peak <= limit_bytes:
                 self._admit_graphs(limit_bytes)
                 return chosen
-            room -= peak - limit_bytes
+            shortfall += peak - limit_bytes
         return None
 
-    def _settle_price(self, limit_bytes: int, cuts: list) -> float | str | None:
-        """Every region of ``cuts`` (region, ``Cut``) planned again at the highest price whose step,
-        without CUDA graphs' buffers, fits ``limit_bytes`` (``Region.replan``: those already at it are
-        kept); the price as remat reports it, None (plans unchanged) where no price fits."""
+    def _settle_price(self, limit_bytes: int, cuts: list, extra=lambda price: 0) -> float | str | None:
+        """Every region of ``cuts`` (region, ``Cut``) planned again at the highest price whose step
+        fits ``limit_bytes`` with ``extra(price)`` bytes more (``Region.replan``: those already at it
+        are kept); the price as remat reports it, None (plans unchanged) where no price fits."""
         def peak(price) -> int:
             memories = [cut.memory(cut.plan(price), region.repeats) for region, cut in cuts]
-            return step_peak_bytes(memories, self.persistent_bytes) + self.outside_bytes
+            return step_peak_bytes(memories, self.persistent_bytes) + self.outside_bytes + extra(price)
 
         price = search_prices(lambda p: peak(p) <= limit_bytes)
         if peak(price) > limit_bytes:
@@ -302,8 +311,30 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
             for v, kind in zip(copied, kinds):
                 buffers[kind] = (value_bytes(v), max(buffers.get(kind, (0, 0))[1], kinds.count(kind)))
             held += kept * (repeats if fn.fixed_inputs else 1)
-            workspace = max(workspace, getattr(_memory(program), stage).peak_bytes - sum(outs))
+            workspace = max(workspace, _graph_workspace(program, stage))
     return held + sum(size * count for size, count in buffers.values()) + workspace
+
+
+def _graphed(program: Program | None) -> list[str]:
+    """The stages of ``program`` that replay as CUDA graphs, or may still decide to."""
+    return [stage for stage in ("forward", "backward")
+            if program is not None and isinstance(getattr(program, stage), Replayer) and getattr(program, stage).may_graph]
+
+
+def _graph_workspace(program: Program, stage: str) -> int:
+    """What ``program``'s ``stage`` graph holds in its CUDA graphs' pool beyond its outputs: its
+    memory plan's peak less its outputs."""
+    outs = output_node(program.stages[stage]).args[0]
+    return getattr(_memory(program), stage).peak_bytes - sum(value_bytes(o.meta.get("val")) for o in outs if isinstance(o, fx.Node))
+
+
+def _cut_workspace(cut: Cut, memory: RegionMemory) -> int:
+    """``_graph_workspace`` of the larger of a region's two graphs, as its remat ``cut`` would plan it
+    (``memory``, ``Cut.memory``): the forward's peak less its outputs and what it saves, the
+    backward's peak less the gradients it returns."""
+    outs = [value_bytes(o.meta.get("val")) if isinstance(o, fx.Node) else 0 for o in output_node(cut.joint).args[0]]
+    return max(memory.forward_peak_bytes - sum(outs[: cut.n_outputs]) - memory.saved_bytes,
+               memory.backward_peak_bytes - sum(outs[cut.n_outputs:]))
 
 
 def predicted_peak_bytes(runs: list[tuple[Program, int]], persistent_bytes: int) -> int:
