@@ -25,7 +25,7 @@ from ..ir import cross_entropy
 from ..runtime.region import PROMOTE_AFTER, Region
 from . import varlen_attention
 from .packing import PACKABLE, length_bucket, pack
-from .patching import CompiledForward, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
+from .patching import CompiledForward, InstalledOn, _NoCacheInTraining, all_eager, bound_call, cache_changes_the_mask, eager_signature
 
 
 def causal_lm(model: nn.Module):
@@ -330,6 +330,8 @@ class HeadForward(CompiledForward):
     ``patching._NoCacheInTraining``.) The loss and every gradient are still the batch's as given."""
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
+
+    lm = InstalledOn()
 
     def __init__(self, region: Region, lm: nn.Module, decoder: nn.Module, regions: list[Region]):
         self.region, self.lm, self.decoder = region, lm, decoder

@@ -10,17 +10,54 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import inspect
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
+from ..errors import LoraccError
 from . import packing, varlen_attention
 
 
+class InstalledOn:
+    """A ``CompiledForward``'s attribute naming the module it is installed on, kept as a weak
+    reference: the module holds its forward, and a strong reference back would make every compiled
+    module a reference cycle, whose weights only Python's collector could free after ``del model``."""
+
+    def __set_name__(self, owner, name):
+        self.key = f"_{name}_weakref"
+
+    def __get__(self, forward, owner=None):
+        if forward is None:
+            return self
+        module = forward.__dict__[self.key]()
+        if module is None:
+            raise LoraccError(f"this compiled forward ({type(forward).__name__}) outlived the module it was installed on; "
+                              "call the module itself")
+        return module
+
+    def __set__(self, forward, module: nn.Module) -> None:
+        forward.__dict__[self.key] = weakref.ref(module)
+
+
 class CompiledForward:
-    """A ``forward`` loracc installed on a module (``loracc.uncompile`` takes it away)."""
+    """A ``forward`` loracc installed on a module (``loracc.uncompile`` takes it away). The module it
+    is installed on is an ``InstalledOn`` attribute (weakly held); ``copy.deepcopy`` of the module gives
+    a forward installed on the copy, sharing the regions (which hold no weights)."""
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if isinstance(value, weakref.ref) and value() is not None:
+                value = weakref.ref(copy.deepcopy(value(), memo))
+            elif not isinstance(value, weakref.ref):
+                value = copy.deepcopy(value, memo)
+            new.__dict__[key] = value
+        return new
 
 
 def is_loracc_forward(forward) -> bool:
@@ -74,6 +111,8 @@ class _NoCacheInTraining(CompiledForward):
     pass may read the keys an earlier one cached) is not given ``use_cache=False`` when its config
     turns the cache on: the first training call counts the layers' calls, and a decoder found to
     repeat them runs eagerly from then on, with a warning (the first call is run again, eagerly)."""
+
+    module = InstalledOn()
 
     def __init__(self, module: nn.Module, regions: list | None = None):
         self.module = module

@@ -32,7 +32,7 @@ from ..runtime.memory import StepMemory, model_bytes
 from ..runtime.region import Region
 from . import hf_output_hooks
 from .hf_causal_lm import HeadForward, causal_lm
-from .patching import EAGER, LAYER_CALLS, CompiledForward, eager_signature, patch, patch_use_cache
+from .patching import EAGER, LAYER_CALLS, CompiledForward, InstalledOn, eager_signature, patch, patch_use_cache
 
 
 @dataclass
@@ -118,6 +118,8 @@ class _BlockForward(CompiledForward):
     A class rather than a closure so that ``copy.deepcopy(model)`` gives a copy whose forward
     runs the copy's own weights (the region, which holds no weights, is shared).
     """
+
+    module = InstalledOn()
 
     def __init__(self, region: Region, module: nn.Module, path: str):
         self.region, self.module, self.path = region, module, path
