@@ -6,6 +6,7 @@ the only file to change.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.fx
@@ -334,3 +335,18 @@ def use_triton_key(key: str) -> None:
     import triton.runtime.cache as triton_cache
 
     triton_cache.triton_key = functools.lru_cache()(lambda: key)
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """The workspace PyTorch's cuBLAS handles allocate, through the caching allocator, once per CUDA
+    stream they run on: ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KiB:COUNT`` pairs summed where set, else
+    PyTorch's default (32 MiB on compute capability 9.0, ``:4096:2:16:8`` elsewhere;
+    ``aten/src/ATen/cuda/CublasHandlePool.cpp``). 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        sizes = [int(v) for v in config.strip(":").split(":") if v.isdigit()]
+        return sum(size * count for size, count in zip(sizes[::2], sizes[1::2])) * 1024
+    major, minor = torch.cuda.get_device_capability(device)
+    return 4096 * 8 * 1024 if (major, minor) == (9, 0) else (4096 * 2 + 16 * 8) * 1024

@@ -486,3 +486,19 @@ def test_a_budgeted_unet_step_on_the_gpu_peaks_within_its_byte_limit():
     # at the regions' peak too; in this small UNet the glue is a large share of the step (on the
     # H100: predicted 284 MB for a 219 MB peak run alone, 775 for 689 MB after other GPU tests).
     assert peak <= loracc.explain(compiled).predicted_peak_bytes <= 1.5 * peak
+
+
+def test_the_graphs_count_cublas_workspace_for_their_stream_as_pytorch_sizes_it(monkeypatch):
+    """PyTorch's cuBLAS handles allocate a workspace per stream (the graphs' side stream gets one):
+    ``CUBLAS_WORKSPACE_CONFIG``'s ``:KiB:COUNT`` pairs summed; nothing off CUDA."""
+    from loracc import _compat
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert _compat.cublas_workspace_bytes(cuda) == (4096 * 2 + 16 * 8) * 1024
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert _compat.cublas_workspace_bytes(cuda) == 16 * 8 * 1024
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    assert _compat.cublas_workspace_bytes(cuda) == 32 * 2**20  # Hopper's default
+    assert _compat.cublas_workspace_bytes(torch.device("cpu")) == 0

@@ -60,6 +60,11 @@ class DeviceBackends:
         self.used: dict[str, None] = {}  # the names of the backends that compiled a graph, in order
         self.on(device)  # a backend that cannot run where the model is fails here, at loracc.compile
 
+    def __deepcopy__(self, memo):
+        # Backends hold compiled kernels and the CUDA graphs' pool, never weights: a deep copy of the
+        # model shares them, as it shares its regions.
+        return self
+
     def on(self, device: torch.device):
         key = str(device)
         if key not in self.by_device:

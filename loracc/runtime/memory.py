@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .. import _compat
 from ..ir import cross_entropy
 from ..ir.graph import output_node, placeholders, value_bytes
 from ..options import INT8_STATE_BLOCK, parse_optimizer_state
@@ -289,10 +290,11 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
     buffers their copied inputs go to (shared by every graph, ``SharedPool.copy_buffers``), the
     outputs each layer's graph keeps besides what its forward lends its backward (that is counted
     with the step's saved activations) and those it writes into a copied input's buffer
-    (``cuda_graphs.routes``), and the largest workspace among them (every graph captures into one
-    shared pool; see ``cuda_graphs``). ``runs``: each program with how many times a step runs it.
+    (``cuda_graphs.routes``), the largest workspace among them (every graph captures into one
+    shared pool; see ``cuda_graphs``), and cuBLAS's workspace for the side stream they warm up and
+    capture on (``_compat.cublas_workspace_bytes``). ``runs``: each program with how many times a step runs it.
     An estimate from the memory plans."""
-    held = workspace = 0
+    held = workspace = library = 0
     buffers: dict = {}  # (shape, dtype) → (bytes, the most copied inputs of that kind in one graph)
     for program, repeats in runs:
         for stage in ("forward", "backward"):
@@ -301,6 +303,8 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
                 continue
             graph = program.stages[stage]
             ins = [p.meta.get("val") for p in placeholders(graph)]
+            devices = {v.device for v in ins if isinstance(v, torch.Tensor)}
+            library = max([library] + [_compat.cublas_workspace_bytes(d) for d in devices])
             vals = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in output_node(graph).args[0]]
             outs = [value_bytes(v) for v in vals]
             not_lent = len(outs) if fn.lend_from is None else fn.lend_from
@@ -312,7 +316,7 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
                 buffers[kind] = (value_bytes(v), max(buffers.get(kind, (0, 0))[1], kinds.count(kind)))
             held += kept * (repeats if fn.fixed_inputs else 1)
             workspace = max(workspace, _graph_workspace(program, stage))
-    return held + sum(size * count for size, count in buffers.values()) + workspace
+    return held + sum(size * count for size, count in buffers.values()) + workspace + library
 
 
 def _graphed(program: Program | None) -> list[str]:
