@@ -154,7 +154,7 @@ class StepMemory:
             return None
         self.settled = True  # every region has run: no program compiled from now on is provisional
         if not any(_provisional(p) for r in self.regions for p in r.compiled_programs):
-            self._admit_graphs(limit_bytes)
+            self._admit_graphs(limit_bytes, searched=False)
             return None
         cuts = [(r, Cut(r.latest.stages["joint"], r.latest.n_outputs)) for r in self.regions if r.latest is not None]
         if self._waiting_pools():
@@ -216,10 +216,10 @@ class StepMemory:
         return {id(f.pool): f.pool for r in self.regions for p in r.compiled_programs
                 for f in (p.forward, p.backward) if isinstance(f, Replayer) and f.pool.graphs_allowed is None}
 
-    def _admit_graphs(self, limit_bytes: int) -> None:
+    def _admit_graphs(self, limit_bytes: int, searched: bool = True) -> None:
         """Open the pools whose graphs wait for the settled plans (``SharedPool.graphs_allowed`` None)
         where the step's predicted peak, the graphs' buffers included, fits ``limit_bytes``; else
-        close them for good, saying why."""
+        close them for good, saying why (``searched``: after no remat price left them room)."""
         pools = self._waiting_pools()
         if not pools:
             return
@@ -229,7 +229,8 @@ class StepMemory:
             pool.graphs_allowed = fits
             if not fits:
                 pool.closed_because = (f"with its CUDA graphs' buffers the step's predicted peak ({(peak or 0) / 2**30:.2f} "
-                                       f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB) at every remat price")
+                                       f"GiB) would pass memory_budget ({limit_bytes / 2**30:.2f} GiB)"
+                                       + (" at every remat price" if searched else ""))
 
 
 def head_estimate(hidden: torch.Tensor, vocab: int) -> Reserve:
