@@ -217,7 +217,8 @@ class _FakeGraphed:
         self.lends = lend_from is not None  # the functions given lend_from have outputs past it
         ids = {id(t): i for i, t in enumerate(inputs)}
         self.passthrough = [ids.get(id(t)) for t in fn(*inputs)]
-        self.graph = type("Graph", (), {"pool": lambda _self: ("pool of", id(self))})()
+        pool = ("pool of", id(self))  # not a closure over self: a fake graph is no reference cycle
+        self.graph = type("Graph", (), {"pool": lambda _self: pool})()
         _FakeGraphed.captured.append(self)
 
     def __call__(self, *inputs):
@@ -872,3 +873,37 @@ def test_a_replays_parameter_gradients_are_copied_out_into_one_allocation_that_l
             assert all(o.data_ptr() != s.data_ptr() for o, s in zip(outputs, graphed.static_outputs))
         for got, want in zip(outputs, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_replayers_refer_to_their_backward_and_sibling_weakly(fake_capture):
+    """A forward's backward (``follower``) and a program's sibling are held weakly: dropping the
+    programs frees their graphs, and the weights those read in place, without Python's collector."""
+    import gc
+    import types
+    import weakref
+
+    from loracc.runtime.cuda_graphs import SharedPool, share_decisions
+
+    fake_capture.update(fwd=0.5, bwd=0.5)
+    pool = SharedPool()
+    weight, x = torch.randn(3), torch.randn(3)
+    programs = []
+    for _ in range(2):
+        forward = Replayer(_named("fwd"), "forward graph", mode="auto", pool=pool, fixed_inputs=1)
+        backward = Replayer(_named("bwd"), "backward graph", mode="auto", pool=pool, after=forward)
+        programs.append(types.SimpleNamespace(forward=forward, backward=backward))
+    share_decisions(*programs)
+    for _ in range(4):
+        for program in programs:
+            program.forward(weight, x)
+            program.backward(x)
+    assert programs[0].forward.follower is programs[0].backward and programs[1].forward.sibling is programs[0].forward
+    assert programs[0].forward.graphed is not None  # captured over the weight, read in place
+    _FakeGraphed.captured.clear()  # the fixture's record of the captures
+    held = weakref.ref(weight)
+    gc.disable()
+    try:
+        del weight, programs, program, forward, backward
+        assert held() is None
+    finally:
+        gc.enable()

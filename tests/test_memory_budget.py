@@ -351,7 +351,7 @@ def _settled(base, step, limit, backend=None):
         _steps_with_eager_gradients(eager, compiled, step, seed)
     regions = [r for r in compiled._loracc.regions if r.latest is not None]
     (price,) = {p.reports["remat"]["price"] for r in regions for p in r.compiled_programs}
-    return price, regions[0].step, backend.graphs.pool if backend is not None else None
+    return price, compiled._loracc.step, backend.graphs.pool if backend is not None else None
 
 
 def test_a_byte_budget_plans_room_for_its_cuda_graphs_where_a_price_leaves_it():

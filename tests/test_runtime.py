@@ -161,20 +161,21 @@ def test_deepcopy_of_a_compiled_model_trains_its_own_weights():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_a_dropped_compiled_model_frees_its_weights_without_the_collector(device):
-    """The forwards loracc installs hold the modules they are installed on weakly: a compiled
-    model is no reference cycle, so ``del`` frees its weights at once (on a GPU, with its Triton
-    kernels), as for the eager model. A deep copy's forwards run the copy's weights, and outlive
-    the original. (Replayed CUDA graphs, which read the weights in place, still refer to each other:
-    docs/usage.md.)"""
+    """The forwards loracc installs hold the modules they are installed on weakly, the regions
+    their StepMemory, a graph its backward and sibling: a compiled model is no reference cycle, so
+    ``del`` frees its weights at once (on a GPU, with its Triton kernels and its CUDA graphs, which
+    read the weights in place, replayed), as for the eager model. A deep copy's forwards run the
+    copy's weights, and outlive the original."""
     import gc
     import weakref
 
     eager, batch = presets.preset("llama")
     eager = eager.to(device)
     batch = {k: v.to(device) for k, v in batch.items()}
-    compiled = loracc.compile(copy.deepcopy(eager), cuda_graphs=False)
+    compiled = loracc.compile(copy.deepcopy(eager), cuda_graphs=device == "cuda")
     twin = copy.deepcopy(compiled)
-    compiled(**batch).loss.backward()
+    for _ in range(3):  # on a GPU: graphs captured from the second call, replayed at the third
+        compiled(**batch).loss.backward()
     weights = [weakref.ref(p) for p in compiled.parameters()]
     gc.disable()
     try:

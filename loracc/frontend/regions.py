@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -47,6 +48,8 @@ class CompiledState:
     patched: list[nn.Module] = field(default_factory=list)
     # A forward set on a module's instance before compile (a hook's wrapper), put back by uncompile.
     previous_forwards: dict = field(default_factory=dict)
+    # The regions' StepMemory: held here, the regions hold it weakly (it holds them: no reference cycle).
+    step: object = None
 
 
 def find_lora_layers(model: nn.Module) -> list[str]:
@@ -77,8 +80,9 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 def install(model: nn.Module, state: CompiledState) -> None:
     head = causal_lm(model)
     # A region's byte budget plans against what the rest of the step holds (StepMemory).
-    step = StepMemory(state.regions, state.persistent_bytes, model_bytes=model_bytes(model),
-                      head_vocab=head[0].config.vocab_size if head is not None else None)
+    state.step = StepMemory(state.regions, state.persistent_bytes, model_bytes=model_bytes(model),
+                            head_vocab=head[0].config.vocab_size if head is not None else None)
+    step = weakref.proxy(state.step)
     blocks = _find_block_lists(model)
     for group in _group_layers([(list_path, index, layer) for list_path, _, layers in blocks for index, layer in layers]):
         paths = [f"{list_path}.{index}" for list_path, index, _ in group]

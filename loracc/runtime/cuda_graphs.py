@@ -301,8 +301,10 @@ class Replayer:
         self.layer_graphs: dict = {} if after is None else weakref.WeakKeyDictionary()  # by weights / by forward graph
         self.copy_graph: Graphed | None = None
         self.lease: Lease | None = None  # a forward's latest lease, until the runtime takes it
-        self.follower: Replayer | None = None  # a forward's backward, set by the backward
-        self.sibling: Replayer | None = None  # mode "auto": the same stage of another program, see share_decisions
+        # Held weakly (each is held by its program): the two would otherwise be a reference cycle
+        # keeping their graphs, and the weights those read in place, until Python's collector runs.
+        self._follower = None  # a forward's backward, set by the backward
+        self._sibling = None  # mode "auto": the same stage of another program, see share_decisions
         if after is not None:
             after.follower = self
         self.failed: str | None = None
@@ -310,6 +312,22 @@ class Replayer:
         self.decision: str | None = None
         self.python_s: list[float] = []  # mode "auto": the Python calls timed so far
         self.timing: tuple[float, float] | None = None  # mode "auto": (replay, Python) seconds measured
+
+    @property
+    def follower(self) -> "Replayer | None":
+        return self._follower() if self._follower is not None else None
+
+    @follower.setter
+    def follower(self, replayer: "Replayer | None") -> None:
+        self._follower = weakref.ref(replayer) if replayer is not None else None
+
+    @property
+    def sibling(self) -> "Replayer | None":
+        return self._sibling() if self._sibling is not None else None
+
+    @sibling.setter
+    def sibling(self, replayer: "Replayer | None") -> None:
+        self._sibling = weakref.ref(replayer) if replayer is not None else None
 
     @property
     def graphed(self) -> Graphed | None:

@@ -60,6 +60,10 @@ class StepMemory:
         self.allocated = None  # a callable: the device's allocated bytes now (``measure_from``); None: not measured
         self._measuring = None  # True: the step's first backward measures ``outside_bytes``; False: it was measured
 
+    def __deepcopy__(self, memo):
+        # Like the regions it plans (``Region.__deepcopy__``): a deep copy of the model shares it.
+        return self
+
     def measure_from(self, tensor: torch.Tensor) -> None:
         """Measure ``outside_bytes`` on ``tensor``'s device, at the backward of the first step that
         begins from now, where the device counts its allocated bytes (CUDA; elsewhere nothing is
