@@ -165,7 +165,8 @@ def test_a_dropped_compiled_model_frees_its_weights_without_the_collector(device
     their StepMemory, a graph its backward and sibling: a compiled model is no reference cycle, so
     ``del`` frees its weights at once (on a GPU, with its Triton kernels and its CUDA graphs, which
     read the weights in place, replayed), as for the eager model. A deep copy's forwards run the
-    copy's weights, and outlive the original."""
+    copy's weights, and outlive the original (whose graphs, in the regions they share, the copy's
+    own replace)."""
     import gc
     import weakref
 
@@ -173,7 +174,6 @@ def test_a_dropped_compiled_model_frees_its_weights_without_the_collector(device
     eager = eager.to(device)
     batch = {k: v.to(device) for k, v in batch.items()}
     compiled = loracc.compile(copy.deepcopy(eager), cuda_graphs=device == "cuda")
-    twin = copy.deepcopy(compiled)
     for _ in range(3):  # on a GPU: graphs captured from the second call, replayed at the third
         compiled(**batch).loss.backward()
     weights = [weakref.ref(p) for p in compiled.parameters()]
@@ -183,9 +183,15 @@ def test_a_dropped_compiled_model_frees_its_weights_without_the_collector(device
         assert not any(w() is not None for w in weights)
     finally:
         gc.enable()
-    loss_twin, loss_eager = twin(**batch).loss, eager(**batch).loss
-    assert rel_err(loss_twin.detach(), loss_eager.detach()) <= 1e-5
-    loss_twin.backward()
+
+    compiled = loracc.compile(copy.deepcopy(eager), cuda_graphs=device == "cuda")
+    twin = copy.deepcopy(compiled)
+    compiled(**batch).loss.backward()
+    del compiled
+    for _ in range(3):
+        loss_twin, loss_eager = twin(**batch).loss, eager(**batch).loss
+        assert rel_err(loss_twin.detach(), loss_eager.detach()) <= (1e-5 if device == "cpu" else 1e-3)
+        loss_twin.backward()
     assert all(p.grad is not None for p in twin.parameters() if p.requires_grad)
 
 
