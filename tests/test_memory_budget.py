@@ -258,8 +258,8 @@ def _peaks(base, step) -> dict:
         model = loracc.compile(copy.deepcopy(base), memory_budget=budget)
         step(model, 0)
         peaks[budget] = loracc.explain(model).predicted_peak_bytes
-        # A compiled model is freed by the collector (its regions and modules refer to each other): until
-        # then its device memory stays allocated, and a later step's peak would count it.
+        # Its device memory must be gone before a later step's peak is measured: freed at del (a compiled
+        # model is no reference cycle, test_runtime.py); the collector also takes what the step left.
         del model
         gc.collect()
     assert peaks[0.0] < peaks[None]
@@ -466,7 +466,7 @@ def test_a_budgeted_unet_step_on_the_gpu_peaks_within_its_byte_limit():
     step(probe, 0)
     outside = probe._loracc.regions[0].step.outside_bytes
     del probe
-    gc.collect()  # its device memory, held by reference cycles (``_peaks``)
+    gc.collect()  # as in ``_peaks``
     peaks = _peaks(base, step)
     limit = (peaks[0.0] + peaks[None]) // 2 + outside
     assert outside > 0.03 * limit  # else this test could not tell
