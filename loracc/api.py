@@ -53,9 +53,9 @@ def compile(model: nn.Module, *, memory_budget=None, backend: str = "auto", cuda
     running it from Python (docs/decisions/001-cuda-graph-policy.md); a program with symbolic sizes
     (a region's second call size on) runs from Python. Each layer's graphs keep buffers for their
     inputs and outputs and a workspace apart from the rest of the step: with a byte budget they are
-    tried only once every region has run, and only where the step's predicted peak with those
-    buffers fits the budget (else every graph runs from Python, and ``explain`` says why); with a
-    fraction, never. ``True`` replays every compiled graph from its second call on, ``False`` none.
+    tried only once every region has run, the step then planned at the highest remat price whose
+    predicted peak with those buffers fits the budget (where none does, every graph runs from
+    Python, and ``explain`` says why); with a fraction, never. ``True`` replays every compiled graph from its second call on, ``False`` none.
     ``verify``: the first call of every graph loracc compiles also runs eagerly on the same inputs
     (the same dropout masks) and their outputs and gradients are compared within dtype-aware
     tolerances (``loracc/runtime/verify.py``); a region that differs warns (what differed, by how much,

@@ -82,8 +82,8 @@ def parse_optimizer_state(value) -> str:
 
 def graph_mode(cuda_graphs, memory_budget) -> str:
     """``loracc.compile``'s ``cuda_graphs`` (``True``, ``False`` or ``"auto"``) as a mode: ``"auto"``
-    with the fastest plan and with a byte limit (whose step replays graphs only where their buffers
-    fit it: ``runtime.memory.StepMemory.settle``), ``"off"`` with a fraction (nothing to fit the
+    with the fastest plan and with a byte limit (whose step is planned to fit the graphs' buffers
+    where a remat price can, else runs from Python: ``runtime.memory.StepMemory.settle``), ``"off"`` with a fraction (nothing to fit the
     graphs' buffers against)."""
     if cuda_graphs == "auto":
         budget = parse_budget(memory_budget)
