@@ -181,8 +181,8 @@ def _graph_decisions(region) -> list[str]:
                 decisions.append(f"{label}{stage}: runs from Python (symbolic sizes; cuda_graphs off, a byte budget, or a region run once a step)")
             elif isinstance(fn, Replayer):
                 decision = fn.decision or (
-                    "runs from Python until every region has run (a byte budget: then it may replay as a CUDA graph "
-                    "where the step's predicted peak with its buffers fits)" if fn.mode == "auto" and fn.pool.graphs_allowed is None
+                    "runs from Python until every region has run (a byte budget: then it may replay as a CUDA graph, "
+                    "the step planned to leave room for its buffers where a remat price can)" if fn.mode == "auto" and fn.pool.graphs_allowed is None
                     else "not decided yet whether to replay as a CUDA graph (decides at its third call)")
                 decisions.append(f"{label}{stage}: {decision}")
     return decisions
