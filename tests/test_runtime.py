@@ -195,6 +195,22 @@ def test_a_dropped_compiled_model_frees_its_weights_without_the_collector(device
     assert all(p.grad is not None for p in twin.parameters() if p.requires_grad)
 
 
+def test_a_loss_outlives_its_dropped_model_and_backpropagates():
+    """The regions hold their step memory weakly: a backward run after its model was dropped (the loss
+    kept) still gives the LoRA weights eager's gradients."""
+    eager, compiled, batch = _compiled()
+    weights = [p for n, p in compiled.named_parameters() if "lora_" in n]
+    compiled(**batch).loss.backward()  # a first step: the regions have compiled
+    for p in weights:
+        p.grad = None
+    loss = compiled(**batch).loss
+    del compiled
+    loss.backward()
+    eager(**batch).loss.backward()
+    want = [p.grad for n, p in eager.named_parameters() if "lora_" in n]
+    assert all(rel_err(p.grad, w) <= 1e-4 for p, w in zip(weights, want))
+
+
 def test_autocast_is_part_of_the_guard():
     eager, compiled, batch = _compiled()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -102,7 +102,10 @@ class _RegionFunction(torch.autograd.Function):
         if lease is not None:
             lease.release()
         if ctx.step is not None:  # once, even if the graph is run backward again (retain_graph=True)
-            ctx.step.backward_call(program)
+            try:
+                ctx.step.backward_call(program)
+            except ReferenceError:  # held weakly: the model, and its step memory, were dropped before this backward
+                pass
             ctx.step = None
         result = [None] * program.n_inputs
         for index, grad in zip(program.grad_inputs, grads):
