@@ -179,8 +179,7 @@ class StepMemory:
         (``_graph_workspace``). The step's predicted peak with the new programs' buffers is then
         checked; short of it, a second try with the shortfall taken off too. None where no try fits:
         the pools stay waiting, and ``settle`` plans for the step without them."""
-        runs = self.runs()
-        kept = cuda_graph_bytes(runs) - max((_graph_workspace(p, stage) for p, _ in runs for stage in _graphed(p)), default=0)
+        kept, _ = _graph_bytes_parts(self.runs())
         graphed = [(region, cut) for region, cut in cuts if _graphed(region.latest)]
 
         def graph_bytes(price) -> int:
@@ -299,13 +298,18 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
     shared pool; see ``cuda_graphs``), and cuBLAS's workspace for the side stream they warm up and
     capture on (``_compat.cublas_workspace_bytes``). ``runs``: each program with how many times a step runs it.
     An estimate from the memory plans."""
+    kept, workspace = _graph_bytes_parts(runs)
+    return kept + workspace
+
+
+def _graph_bytes_parts(runs: list[tuple[Program, int]]) -> tuple[int, int]:
+    """``cuda_graph_bytes`` in two parts: what the graphs keep whatever their plans (buffers, kept
+    outputs, cuBLAS's workspace) and their largest workspace (``_graph_workspace``)."""
     held = workspace = library = 0
     buffers: dict = {}  # (shape, dtype) → (bytes, the most copied inputs of that kind in one graph)
     for program, repeats in runs:
-        for stage in ("forward", "backward"):
+        for stage in _graphed(program):
             fn = getattr(program, stage)
-            if not (isinstance(fn, Replayer) and fn.may_graph):
-                continue
             graph = program.stages[stage]
             ins = [p.meta.get("val") for p in placeholders(graph)]
             devices = {v.device for v in ins if isinstance(v, torch.Tensor)}
@@ -321,7 +325,7 @@ def cuda_graph_bytes(runs: list[tuple[Program, int]]) -> int:
                 buffers[kind] = (value_bytes(v), max(buffers.get(kind, (0, 0))[1], kinds.count(kind)))
             held += kept * (repeats if fn.fixed_inputs else 1)
             workspace = max(workspace, _graph_workspace(program, stage))
-    return held + sum(size * count for size, count in buffers.values()) + workspace + library
+    return held + sum(size * count for size, count in buffers.values()) + library, workspace
 
 
 def _graphed(program: Program | None) -> list[str]:
