@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "fused-rows": ("fused_rows", "the fused pointwise/reduction kernels' bandwidth, and the step with and without them"),
     "lora-linear": ("lora_linear", "one LoRA linear, forward + backward, against the frozen GEMMs and PEFT"),
     "lora-linear-profile": ("lora_linear_profile", "GPU time of each kernel of one LoRA linear"),
+    "adapter-grads": ("adapter_grads", "a LoRA linear's adapter gradients: the one-launch kernel against cuBLAS's two GEMMs"),
     "quant-linear": ("quant_linear", "an NF4 / FP8 frozen linear (decode + GEMM, forward and input gradient) against bf16"),
     "memory": ("memory_budget", "peak memory and tokens/s against loracc's memory budget"),
     "varlen-breakdown": ("varlen_breakdown", "where a varying-length run's time goes: new and seen shapes, static or symbolic first"),

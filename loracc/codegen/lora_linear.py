@@ -12,7 +12,8 @@ output, before or after it.
 Backward, ``dX = dY@W + dU@A`` with ``dU = s·dY@B``: the template computes ``dU`` in its main loop
 (no extra pass over ``dY``) and writes it out; the cuBLAS candidates compute ``dU`` first. Then the
 adapter gradients ``dA = dUᵀ@lora_in`` and ``dB = dYᵀ@su`` with the forward's ``su``: rank-r
-GEMMs that materialize nothing of size ``T × out``.
+products that materialize nothing of size ``T × out``, both in one launch of the ``lora_grads``
+kernel or as two cuBLAS GEMMs, autotuned like the rest.
 
 The ``lora_gemm_tma`` template (tensor descriptors, sm90+) is a candidate for both: ``su`` or ``dU``
 by cuBLAS first, the rank-r term in its epilogue.
@@ -35,8 +36,10 @@ from ..ir.dtypes import SHORT_NAMES
 from ..ir.ops import or_empty
 from . import autotune
 from . import lora_gemm_tma
+from . import lora_grads
 from .lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
 from .lora_gemm_tma import TmaLoraGemm
+from .lora_grads import LoraGrads
 
 Tensor = torch.Tensor
 
@@ -158,27 +161,42 @@ def _tma_impls(tma: TmaLoraGemm | None, run) -> dict[str, Callable]:
 
 def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     """What a call of ``op`` (the fused forward or backward) with the traced values ``vals`` compiles,
-    as ``precompile`` jobs: each configuration of either template that the autotuner will try or,
+    as ``precompile`` jobs: each configuration of the templates that the autotuner will try or,
     where it chose before at this shape (``autotune.remembered``: this process, or the on-disk
     cache of an earlier one), the one it chose (nothing where that is cuBLAS)."""
+    rows = _compat.hint(vals[0].numel()) // vals[0].shape[-1]  # symbolic sizes: at the traced shape
     if op is lora_linear:
         x, weight, bias, lora_a, _, _, lora_x = vals
         gemm = _forward_gemm(x.dtype, weight, bias, lora_a, dropout=lora_x is not None)
-    else:
-        grad_y, _, _, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
-        gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
-        if gemm is None:  # cuBLAS only
-            return []
-    rows = _compat.hint(vals[0].numel()) // vals[0].shape[-1]  # symbolic sizes: at the traced shape
+        return _gemm_warmups("lora_linear", gemm, rows, lora_a.dtype, device)
+    grad_y, lora_in, lora_u, weight, lora_a, _, _, lora_in_is_x, need_grad_x, need_grad_lora_in, _ = vals
+    gemm = _grad_input_gemm(grad_y.dtype, weight, lora_a, _grad_flags(lora_in_is_x, need_grad_x, need_grad_lora_in))
+    jobs, grad_u_dtypes = [], {grad_y.dtype}  # dU from cuBLAS (or the TMA template's cuBLAS first step)
+    if gemm is not None:
+        jobs, chosen = _gemm_warmups("lora_linear_backward", gemm, rows, lora_a.dtype, device, with_choice=True)
+        if chosen is None or chosen.startswith("triton "):  # the template writes dU in fp32
+            grad_u_dtypes = {torch.float32} if chosen else grad_u_dtypes | {torch.float32}
+    if torch.are_deterministic_algorithms_enabled():
+        return jobs
+    grads = _grads_kernel(grad_y.dtype, lora_in, grad_y, lora_u, device)
+    configs = {f"triton {c}": c for c in _grads_configs(grads)}
+    if configs:
+        names = [*configs, "cublas"]
+        chosen = autotune.remembered(_description("lora_adapter_grads", grads.name, lora_a.dtype, rows, names), names, device)
+        for name in ([chosen] if chosen in configs else [] if chosen else configs):
+            jobs += [functools.partial(grads.warmup, configs[name], rows, dtype, device) for dtype in grad_u_dtypes]
+    return jobs
+
+
+def _gemm_warmups(op_name: str, gemm: LoraGemm, rows: int, adapter_dtype, device, with_choice: bool = False):
+    """The ``precompile`` jobs of ``gemm``'s template candidates (and, ``with_choice``, the remembered choice)."""
     tma = _tma_gemm(gemm, device)
-    jobs = {f"triton {c}": functools.partial(gemm.warmup, c, rows, lora_a.dtype, device) for c in _template_configs(gemm)}
+    jobs = {f"triton {c}": functools.partial(gemm.warmup, c, rows, adapter_dtype, device) for c in _template_configs(gemm)}
     jobs.update({f"tma {c}": functools.partial(tma.warmup, c, rows, device) for c in _tma_configs(tma)})
     names = [*jobs, *CUBLAS_CANDIDATES]  # as lora_linear and _grad_input offer them
-    op_name = "lora_linear" if op is lora_linear else "lora_linear_backward"
-    choice = autotune.remembered(_description(op_name, gemm.name, lora_a.dtype, rows, names), names, device)
-    if choice is not None:
-        return [jobs[choice]] if choice in jobs else []
-    return list(jobs.values())
+    choice = autotune.remembered(_description(op_name, gemm.name, adapter_dtype, rows, names), names, device)
+    found = list(jobs.values()) if choice is None else [jobs[choice]] if choice in jobs else []
+    return (found, choice) if with_choice else found
 
 
 # Forward --------------------------------------------------------------------------------------
@@ -361,10 +379,46 @@ def _mm_to(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _adapter_grads(gy2, lin2, su, grad_u, grad_dtype):
     """``(dA, dB)`` = ``(dUᵀ@lora_in, dYᵀ@su)`` in ``grad_dtype`` (the adapters'), ``su`` the forward's
-    ``s·lora_in@Aᵀ``: two rank-r GEMMs on cuBLAS.
+    ``s·lora_in@Aᵀ``: the ``lora_grads`` kernel (both in one launch) or two rank-r GEMMs on cuBLAS,
+    whichever the autotuner finds faster at the shape. cuBLAS alone under
+    ``torch.use_deterministic_algorithms(True)`` (the kernel sums its splits atomically)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = _key("lora_adapter_grads", gy2, lin2, su, grad_u, flags=(grad_dtype, deterministic))
+    impl = _plans.get(key)
+    args = (gy2, lin2, su, grad_u, grad_dtype)
+    if impl is None:
+        grads = None if deterministic else _grads_kernel(gy2.dtype, lin2, gy2, su, gy2.device)
+        impls = {**{f"triton {c}": functools.partial(_adapter_grads_triton, grads, c) for c in _grads_configs(grads)},
+                 "cublas": _adapter_grads_cublas}
+        if len(impls) == 1:
+            impl = _plans[key] = _adapter_grads_cublas
+        else:
+            impl = _plan(key, grads.name, impls, args, grad_dtype)
+    return impl(*args)
 
-    Their transposes (``lora_inᵀ@dU``, ``suᵀ@dY``, which cuBLAS runs with other kernels) never won,
-    so the pair is not autotuned (docs/decisions/004-autotune-candidates.md).
-    """
+
+def _grads_kernel(dtype, lin2, gy2, su, device) -> LoraGrads | None:
+    """The ``lora_grads`` instance for these operands, or None where it cannot run them."""
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return None
+    if dtype not in KERNEL_DTYPES or lin2.dtype != dtype or su.dtype != dtype or interpreter_refuses({dtype}):
+        return None
+    grads = LoraGrads(lin2.shape[-1], gy2.shape[-1], su.shape[-1], dtype)
+    return grads if grads.aligned else None
+
+
+def _grads_configs(grads: LoraGrads | None) -> tuple:
+    if grads is None:
+        return ()
+    return lora_grads.INTERPRETER_CONFIGS if interpreting() else lora_grads.GPU_CONFIGS
+
+
+def _adapter_grads_triton(grads, config, gy2, lin2, su, grad_u, grad_dtype):
+    return grads.launch(config, lin2, grad_u, gy2, su, grad_dtype)
+
+
+def _adapter_grads_cublas(gy2, lin2, su, grad_u, grad_dtype):
+    """Two rank-r GEMMs. Their transposes (``lora_inᵀ@dU``, ``suᵀ@dY``, which cuBLAS runs with other
+    kernels) never won (docs/decisions/004-autotune-candidates.md)."""
     grad_u = grad_u.to(lin2.dtype)
     return _mm_to(grad_u.t(), lin2, grad_dtype), _mm_to(gy2.t(), su, grad_dtype)
