@@ -114,9 +114,14 @@ def _rows_per_split(rows: int, tiles: int, config: Config, device: torch.device)
     """Rows a program sums: about ``config.waves`` programs per multiprocessor over the ``tiles``
     column tiles (under the interpreter, ``waves`` splits), at least one loop step of ``block_t``
     rows, a multiple of it."""
-    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else tiles
+    processors = _processors(device) if device.type == "cuda" else tiles
     splits = max(1, min(triton_cdiv(rows, config.block_t), triton_cdiv(config.waves * processors, tiles)))
     return triton_cdiv(triton_cdiv(rows, splits), config.block_t) * config.block_t
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _meta(config: Config) -> dict:
