@@ -23,6 +23,7 @@ from loracc.codegen import autotune, lora_linear, precompile  # noqa: E402
 from loracc.codegen.fused_rows import RowKernel  # noqa: E402
 from loracc.codegen.lora_gemm import LoraGemm  # noqa: E402
 from loracc.codegen.lora_gemm_tma import TmaLoraGemm  # noqa: E402
+from loracc.codegen.lora_grads import LoraGrads  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
 from loracc.passes.fusion import FusedRows, fusion  # noqa: E402
 from test_codegen_fused_rows import _case  # noqa: E402
@@ -128,13 +129,14 @@ def test_the_tma_lora_gemm_warms_up_as_it_launches(use, has_bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, dtype):
-    """The jobs of ``lora_linear.warmups`` are the template configurations its ops offer the autotuner."""
+    """The jobs of ``lora_linear.warmups`` are the template configurations its ops offer the
+    autotuner, step by step (the backward's input gradient and its adapter gradients)."""
     if DEVICE.type == "cpu" and dtype == torch.bfloat16:
         pytest.skip("bf16 GEMMs do not run under the interpreter")
-    offered = []
+    offered = {}
 
     def choose(description, candidates, device):
-        offered.append(sorted(name for name in candidates if name.startswith(("triton", "tma"))))
+        offered[description["op"]] = sorted(name for name in candidates if name.startswith(("triton", "tma")))
         return next(name for name in candidates if not name.startswith(("triton", "tma")))
 
     monkeypatch.setattr(autotune, "choose", choose)
@@ -145,13 +147,18 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
     forward = [x, weight, bias, lora_a, lora_b, 0.5, None]
     su = torch.randn(rows, r, device=DEVICE, dtype=dtype)
     backward = [torch.randn(rows, o, device=DEVICE, dtype=dtype), x, su, weight, lora_a, lora_b, 0.5, True, True, False, True]
+    kind = {LoraGemm: "triton", TmaLoraGemm: "tma", LoraGrads: "triton"}
     try:
         for op, vals in ((lora_linear.lora_linear, forward), (lora_linear.lora_linear_backward, backward)):
             offered.clear()
             op(*vals)
             jobs = lora_linear.warmups(op, vals, DEVICE)
-            kind = {LoraGemm: "triton", TmaLoraGemm: "tma"}
-            assert sorted(f"{kind[type(job.func.__self__)]} {job.args[0]}" for job in jobs) == offered[0], op.__name__
+            steps = {}  # the op's step → the configurations its jobs compile
+            for job in jobs:
+                step = "lora_adapter_grads" if isinstance(job.func.__self__, LoraGrads) else op.__name__
+                steps.setdefault(step, set()).add(f"{kind[type(job.func.__self__)]} {job.args[0]}")
+            assert {step: sorted(names) for step, names in steps.items()} == {k: v for k, v in offered.items() if v}, op.__name__
+        assert "lora_adapter_grads" in offered
         assert len(lora_linear.warmups(lora_linear.lora_linear, forward, DEVICE)) > 0
     finally:
         lora_linear.forget_plans()
