@@ -141,7 +141,7 @@ def test_warmups_cover_the_template_candidates_the_autotuner_tries(monkeypatch, 
 
     monkeypatch.setattr(autotune, "choose", choose)
     lora_linear.forget_plans()
-    rows, i, o, r = 37, 48, 40, 4
+    rows, i, o, r = 37, 48, 40, 8  # rank 8: su rows of 16 bytes in bf16, which the adapter-gradient kernel takes
     x, weight = torch.randn(rows, i, device=DEVICE, dtype=dtype), torch.randn(o, i, device=DEVICE, dtype=dtype)
     bias, lora_a, lora_b = torch.randn(o, device=DEVICE, dtype=dtype), torch.randn(r, i, device=DEVICE), torch.randn(o, r, device=DEVICE)
     forward = [x, weight, bias, lora_a, lora_b, 0.5, None]
