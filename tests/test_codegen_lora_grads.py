@@ -137,3 +137,21 @@ def test_warmups_compile_the_kernel_for_each_dtype_du_may_come_in():
     grads = [job for job in jobs if getattr(job.func, "__self__", None).__class__ is LoraGrads]
     # every configuration, for dU from the template (fp32) and from cuBLAS (the base dtype: here fp32 too)
     assert len(grads) == len(CONFIGS) * len({torch.float32, args[0].dtype})
+
+
+def test_warmups_compile_for_fp32_du_only_where_the_template_may_write_it(monkeypatch, tmp_path):
+    """dU comes in fp32 only from the input-gradient template: where that has no candidate (a 16-bit
+    layer with a long K, on a GPU), the kernel is warmed up for the base dtype's dU alone."""
+    monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))  # no choice remembered from another run
+    monkeypatch.setattr(autotune, "_chosen", {})
+    args = _backward_args(torch.bfloat16, torch.float32)
+    monkeypatch.setattr(lora_linear, "interpreter_refuses", lambda dtypes: None)  # no bf16 kernel runs here
+    lora_linear.forget_plans()
+
+    def du_dtypes():
+        jobs = lora_linear.warmups(torch.ops.loracc.lora_linear_backward.default, list(args), DEVICE)
+        return {job.args[2] for job in jobs if isinstance(getattr(job.func, "__self__", None), LoraGrads)}
+
+    assert du_dtypes() == {torch.float32, torch.bfloat16}
+    monkeypatch.setattr(lora_linear, "_template_configs", lambda gemm: ())
+    assert du_dtypes() == {torch.bfloat16}

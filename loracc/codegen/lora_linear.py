@@ -174,8 +174,11 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
     jobs, grad_u_dtypes = [], {grad_y.dtype}  # dU from cuBLAS (or the TMA template's cuBLAS first step)
     if gemm is not None:
         jobs, chosen = _gemm_warmups("lora_linear_backward", gemm, rows, lora_a.dtype, device, with_choice=True)
-        if chosen is None or chosen.startswith("triton "):  # the template writes dU in fp32
-            grad_u_dtypes = {torch.float32} if chosen else grad_u_dtypes | {torch.float32}
+        template = {f"triton {c}" for c in _template_configs(gemm)}  # the template writes dU in fp32
+        if chosen in template:
+            grad_u_dtypes = {torch.float32}
+        elif chosen is None and template:
+            grad_u_dtypes |= {torch.float32}
     if torch.are_deterministic_algorithms_enabled():
         return jobs
     grads = _grads_kernel(grad_y.dtype, lora_in, grad_y, lora_u, device)
