@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
+from benchmarks.lora_linear import rel_err
 from loracc.codegen import autotune, lora_grads, lora_linear
 
 RANK = 16
@@ -34,10 +35,6 @@ SHAPES = [
     ("llama-8b up", 2048, 4096, 14336),
     ("flux single 4608", 4608, 3072, 3072),
 ]
-
-
-def rel_err(a, b) -> float:
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 def main(argv: list[str] | None = None) -> int:

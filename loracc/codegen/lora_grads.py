@@ -81,23 +81,23 @@ class LoraGrads:
     def kernel(self, device: torch.device):
         return _kernel(self, device)
 
+    def tiles(self, config: Config) -> int:
+        """Column tiles of ``config.block_n``: ``dA``'s, then ``dB``'s (the grid's first axis)."""
+        return triton_cdiv(self.in_features, config.block_n) + triton_cdiv(self.out_features, config.block_n)
+
     def launch(self, config: Config, x2: Tensor, grad_u: Tensor, gy2: Tensor, su: Tensor,
                grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(dA, dB)`` in ``grad_dtype`` for ``x2`` ``[T, in]``, ``grad_u`` ``[T, r]``, ``gy2`` ``[T, out]``,
         ``su`` ``[T, r]``; both views of one buffer, written in full."""
-        rows, r, i, o = x2.shape[0], self.rank, self.in_features, self.out_features
-        sums = torch.zeros(r * i + o * r, dtype=torch.float32, device=x2.device)
-        grad_a, grad_b = sums[:r * i].view(r, i), sums[r * i:].view(o, r)
+        rows, split = x2.shape[0], self.rank * self.in_features  # dA's elements, then dB's
+        sums = torch.zeros(split + self.out_features * self.rank, dtype=torch.float32, device=x2.device)
         if rows:
-            tiles = triton_cdiv(i, config.block_n) + triton_cdiv(o, config.block_n)
-            rows_per_split = _rows_per_split(rows, tiles, config, x2.device)
-            grid = (tiles, triton_cdiv(rows, rows_per_split))
-            self.kernel(x2.device)[grid](x2.contiguous(), grad_u.contiguous(), grad_a, gy2.contiguous(), su.contiguous(),
-                                         grad_b, rows, rows_per_split, **_meta(config))
-        if grad_dtype != torch.float32:
-            sums = sums.to(grad_dtype)
-            grad_a, grad_b = sums[:r * i].view(r, i), sums[r * i:].view(o, r)
-        return grad_a, grad_b
+            rows_per_split = _rows_per_split(rows, self.tiles(config), config, x2.device)
+            grid = (self.tiles(config), triton_cdiv(rows, rows_per_split))
+            self.kernel(x2.device)[grid](x2.contiguous(), grad_u.contiguous(), sums[:split], gy2.contiguous(),
+                                         su.contiguous(), sums[split:], rows, rows_per_split, **_meta(config))
+        sums = sums.to(grad_dtype)
+        return sums[:split].view(self.rank, self.in_features), sums[split:].view(self.out_features, self.rank)
 
     def warmup(self, config: Config, rows: int, grad_u_dtype: torch.dtype, device: torch.device):
         """Compile the kernel as a launch at ``rows`` rows with ``dU`` in ``grad_u_dtype`` would, without
@@ -105,9 +105,9 @@ class LoraGrads:
         from .precompile import pointer
 
         base, fp32 = pointer(self.dtype), pointer(torch.float32)
-        tiles = triton_cdiv(self.in_features, config.block_n) + triton_cdiv(self.out_features, config.block_n)
         return self.kernel(device).warmup(base, pointer(grad_u_dtype), fp32, base, base, fp32, rows,
-                                          _rows_per_split(rows, tiles, config, device), **_meta(config), grid=(1,))
+                                          _rows_per_split(rows, self.tiles(config), config, device), **_meta(config),
+                                          grid=(1,))
 
 
 def _rows_per_split(rows: int, tiles: int, config: Config, device: torch.device) -> int:

@@ -183,12 +183,13 @@ def warmups(op, vals: list, device: torch.device) -> list[Callable]:
         return jobs
     grads = _grads_kernel(grad_y.dtype, lora_in, grad_y, lora_u, device)
     configs = {f"triton {c}": c for c in _grads_configs(grads)}
-    if configs:
-        names = [*configs, "cublas"]
-        chosen = autotune.remembered(_description("lora_adapter_grads", grads.name, lora_a.dtype, rows, names), names, device)
-        for name in ([chosen] if chosen in configs else [] if chosen else configs):
-            jobs += [functools.partial(grads.warmup, configs[name], rows, dtype, device) for dtype in grad_u_dtypes]
-    return jobs
+    if not configs:
+        return jobs
+    names = [*configs, "cublas"]
+    remembered = autotune.remembered(_description("lora_adapter_grads", grads.name, lora_a.dtype, rows, names), names, device)
+    warmed = configs if remembered is None else [remembered] if remembered in configs else []  # [] where cuBLAS
+    return jobs + [functools.partial(grads.warmup, configs[name], rows, dtype, device)
+                   for name in warmed for dtype in grad_u_dtypes]
 
 
 def _gemm_warmups(op_name: str, gemm: LoraGemm, rows: int, adapter_dtype, device, with_choice: bool = False):
