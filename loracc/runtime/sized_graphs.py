@@ -77,14 +77,14 @@ class Arena:
 class _SizeGraph:
     """One captured graph: its static inputs, where its outputs go, and how to hand them back."""
 
-    def __init__(self, graph, copies_in, out_views, copies_out, outputs_plan, device: torch.device, together: tuple = ()):
+    def __init__(self, graph, copies_in, out_views, outputs_plan, device: torch.device, together: tuple = ()):
         """``copies_in``: ``bound_groups`` of the static inputs (which it keeps alive), ``out_views``:
-        where the graph writes the outputs it hands back as copies, ``copies_out``: their
-        ``bound_groups``; ``together``: sets of indices into ``out_views`` whose copies share one
-        allocation per dtype (``pack_plan``)."""
+        where the graph writes the outputs it hands back as copies; ``together``: sets of indices
+        into ``out_views`` whose copies share one allocation per dtype (``pack_plan``)."""
         self.graph, self.copies_in, self.outputs_plan, self.device = graph, copies_in, outputs_plan, device
         self.seq = 0  # set by the pool (SharedPool.added)
-        self.copies_out = copies_out
+        # The buffers' side of each copy is fixed: bound once, not at every call.
+        self.copies_out = bound_groups(out_views)
         self.out_layouts = [(v.shape, v.stride(), v.dtype) for v in out_views]
         self.packs = [entry for indices in together for entry in pack_plan(out_views, sorted(indices))]
         packed = {j for *_, members in self.packs for j, *_ in members}
@@ -198,7 +198,7 @@ class SizedGraphs:
         in_specs = [(tuple(t.shape), t.stride(), t.dtype) for t in inputs]
         views = self.arena.views(in_specs + out_specs, inputs[0].device)
         static_inputs, out_views = views[: len(inputs)], views[len(inputs):]
-        copies_in, copies_out = bound_groups(static_inputs), bound_groups(out_views)
+        copies_in = bound_groups(static_inputs)
         copy_into(copies_in, inputs)
         copied = [j for j, (kind, _) in enumerate(plan) if kind == "copy"]
         stream = self.pool.warm_up_stream()
@@ -211,9 +211,8 @@ class SizedGraphs:
             graph.capture_begin(pool=self.pool.handle(), capture_error_mode="thread_local")  # as cuda_graphs.Graphed
             try:
                 outputs = list(self.fn(*static_inputs))
-                # One multi-tensor copy per dtype: a few kernel nodes, not one copy node per output
-                # (a replay's launch costs the host more the more nodes its graph has).
-                copy_into(copies_out, [outputs[j] for j in copied])
+                for view, j in zip(out_views, copied):
+                    view.copy_(outputs[j])
                 del outputs
             except BaseException:
                 try:
@@ -225,7 +224,7 @@ class SizedGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         position = {j: n for n, j in enumerate(copied)}  # output index → index among the copies
         together = [[n for j, n in position.items() if j in r] for r in self.together]
-        sized = _SizeGraph(graph, copies_in, out_views, copies_out, plan, inputs[0].device, together)
+        sized = _SizeGraph(graph, copies_in, out_views, plan, inputs[0].device, together)
         self.pool.added(sized)
         return sized
 
