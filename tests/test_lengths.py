@@ -214,6 +214,52 @@ def test_position_ids_longer_than_the_input_fail_as_eager_does():
         compiled(**bad)
 
 
+def _outcome(model, batch):
+    """("ok", loss, LoRA gradients) of a training step, or ("error", the exception's type)."""
+    try:
+        loss = _step(model, batch)
+    except Exception as exc:  # noqa: BLE001 - compared by the caller
+        return ("error", type(exc))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return ("ok", loss, grads)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", ["mask wider", "mask narrower", "labels shorter", "labels wider"])
+def test_a_mask_or_labels_of_another_shape_than_the_input_run_as_eager_does(family, case):
+    """Transformers reads a 2-D mask of another length than the input as it is (with its cache on)
+    and raises on labels of another length: the compiled model warns, runs the call eagerly, and
+    gives the same loss and gradients or the same exception; its next, well-shaped call compiles."""
+    eager, compiled = _pair(family)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, eager.config.vocab_size, (2, 12), generator=generator)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if case == "mask wider":
+        batch["attention_mask"] = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
+    elif case == "mask narrower":
+        batch["attention_mask"] = mask[:, :10]
+    elif case == "labels shorter":
+        batch["labels"] = labels[:, :10]
+    else:
+        batch["labels"] = torch.cat([labels, torch.full((2, 2), -100)], 1)
+    expected = _outcome(eager, batch)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        got = _outcome(compiled, batch)
+    assert got[0] == expected[0] and (got[1] is expected[1] if got[0] == "error" else True), (got[:2], expected[:2])
+    if got[0] == "ok":
+        assert rel_err(got[1], expected[1]) <= 1e-6
+        assert got[2].keys() == expected[2].keys()
+        for name in expected[2]:
+            assert rel_err(got[2][name], expected[2][name]) <= 1e-6, name
+    assert compiled._loracc.regions and all(r.calls == 0 for r in compiled._loracc.regions)
+    _assert_same_training(eager, compiled, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+    assert any(r.calls for r in compiled._loracc.regions)
+
+
 def test_an_empty_batch_fails_as_eager_does():
     eager, compiled = _pair()
     ids = torch.randint(0, eager.config.vocab_size, (0, 8))

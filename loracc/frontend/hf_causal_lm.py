@@ -360,6 +360,13 @@ class HeadForward(CompiledForward):
         if lm.training and torch.is_grad_enabled() and call.get("use_cache") is None and cache_changes_the_mask(decoder, call):
             with all_eager():
                 return eager(*args, **kwargs)
+        mismatch = mismatched_shape(call) if lm.training and torch.is_grad_enabled() else None
+        if mismatch is not None:
+            warnings.warn(f"loracc: {type(lm).__name__} is called with {mismatch}: this call runs eagerly, as "
+                          "transformers runs it (it raises, or reads the tensor as it is); check the batch's collator",
+                          stacklevel=3)
+            with all_eager():
+                return eager(*args, **kwargs)
         labels = call.get("labels")
         extra = [k for k, v in call.items() if k not in self.FUSED_KEYS and not _is_default(k, v)]
         if not (lm.training and torch.is_grad_enabled()) or labels is None or extra:
@@ -491,6 +498,25 @@ class HeadForward(CompiledForward):
         if inputs_embeds is not None:
             inputs_embeds = pad(inputs_embeds, (0, 0, 0, extra))
         return input_ids, pad(attention_mask, (0, extra), value=0), inputs_embeds, pad(labels, (0, extra), value=-100)
+
+
+def mismatched_shape(call: dict) -> str | None:
+    """What in a causal LM's call (``bound_call``) has other rows or another length than its tokens
+    (``input_ids``, else ``inputs_embeds``), or None: a 2-D ``labels`` or, without a cache, a 2-D
+    ``attention_mask`` (with ``past_key_values`` a mask also covers the cached tokens). Transformers
+    raises on some of these and reads others as they are; the packed and padded paths would raise
+    another error or compute other numbers, so such a call runs eagerly."""
+    ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
+    tokens = ids if isinstance(ids, torch.Tensor) else embeds
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+        return None
+    names = ("labels",) if call.get("past_key_values") is not None else ("attention_mask", "labels")
+    for name in names:
+        value = call.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and tuple(value.shape) != tuple(tokens.shape[:2]):
+            return f"an {name} of shape {list(value.shape)} for {list(tokens.shape[:2])} tokens" if name == "attention_mask" \
+                else f"labels of shape {list(value.shape)} for {list(tokens.shape[:2])} tokens"
+    return None
 
 
 def _reads_once(module: nn.Module, name: str) -> bool:

@@ -122,6 +122,8 @@ class _NoCacheInTraining(CompiledForward):
 
     def __call__(self, *args, **kwargs):
         forward = type(self.module).forward
+        if EAGER.get():  # ``all_eager``: the decoder's own call, its cache as its config says
+            return forward(self.module, *args, **kwargs)
         training = self.module.training and torch.is_grad_enabled()
         call = bound_call(self.module, args, kwargs) if training else None
         if call is not None:
@@ -190,7 +192,9 @@ LAYER_CALLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lorac
 
 @contextlib.contextmanager
 def all_eager():
-    """Every compiled region called inside runs its module's eager forward."""
+    """Every compiled region called inside runs its module's eager forward, and a decoder patched by
+    ``_NoCacheInTraining`` runs its own forward as it is (the cache its config asks for, rows as
+    given): the call computes what it computes without loracc."""
     token = EAGER.set(True)
     try:
         yield
