@@ -327,7 +327,10 @@ class HeadForward(CompiledForward):
     ids, so no pad token is computed; in one row whose attention reads each sequence's boundaries
     where ``_one_row`` (``varlen_attention``), else in rows of the longest's width. (Rows the user
     packed, with position ids and no mask, are laid end to end by the decoder's own call:
-    ``patching._NoCacheInTraining``.) The loss and every gradient are still the batch's as given."""
+    ``patching._NoCacheInTraining``.) The loss and every gradient are still the batch's as given.
+
+    A call whose mask or labels do not have its tokens' shape (``mismatched_shape``) runs eagerly,
+    with a warning: eager's numbers, or eager's exception."""
 
     FUSED_KEYS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "num_items_in_batch"}
 
@@ -514,8 +517,7 @@ def mismatched_shape(call: dict) -> str | None:
     for name in names:
         value = call.get(name)
         if isinstance(value, torch.Tensor) and value.dim() == 2 and tuple(value.shape) != tuple(tokens.shape[:2]):
-            return f"an {name} of shape {list(value.shape)} for {list(tokens.shape[:2])} tokens" if name == "attention_mask" \
-                else f"labels of shape {list(value.shape)} for {list(tokens.shape[:2])} tokens"
+            return f"{name} of shape {list(value.shape)} for {list(tokens.shape[:2])} tokens"
     return None
 
 
