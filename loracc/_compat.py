@@ -79,6 +79,7 @@ def symbolic_fakes(tensors: list, dynamic: list[list[bool]]):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+    skip_frames_without_importing()
     shape_env = ShapeEnv(duck_shape=True)
     mode = FakeTensorMode(shape_env=shape_env)
     # The fake mode's operator cache, for symbolic sizes, rebuilds each hit's outputs through symbol
@@ -350,3 +351,56 @@ def cublas_workspace_bytes(device: torch.device) -> int:
         return sum(size * count for size, count in zip(sizes[::2], sizes[1::2])) * 1024
     major, minor = torch.cuda.get_device_capability(device)
     return 4096 * 8 * 1024 if (major, minor) == (9, 0) else (4096 * 2 + 16 * 8) * 1024
+
+
+# The modules whose frames torch's shape environment skips when it records where a symbol or guard
+# came from (``torch.fx.experimental.symbolic_shapes.uninteresting_files``, torch 2.11 and 2.13),
+# and the folders whose every file it skips with them.
+_UNINTERESTING_MODULES = (
+    "torch.fx.experimental.symbolic_shapes", "torch.export._trace", "torch.fx.experimental.recording",
+    "torch.fx.experimental.sym_node", "torch.fx.interpreter", "torch.fx._symbolic_trace", "torch", "torch._compile",
+    "torch._dynamo.eval_frame", "torch._inductor.sizevars", "torch._library.custom_ops", "torch._library.fake_impl",
+    "torch._subclasses.meta_utils", "torch._subclasses.fake_tensor", "torch._logging._internal",
+    "torch._logging.structured",
+    # torch._dynamo.guards.uninteresting_files: these two and the modules of the polyfills folder
+    "torch._dynamo.external_utils", "torch._dynamo.polyfills",
+)
+_UNINTERESTING_FOLDERS = ("torch._higher_order_ops", "torch._dynamo.polyfills")
+
+
+def skip_frames_without_importing() -> None:
+    """Give torch's shape environment the files it skips when it records a symbol's or guard's source
+    location without the imports its own ``uninteresting_files`` makes for them: its first call
+    imports all of TorchDynamo and ``torch.export`` (a second or more, once a process) only to read
+    their modules' paths, which are found here where they lie in torch's package. The set is torch's
+    own, plus the polyfill folder's two files that are not polyfills (``__init__``'s package and
+    ``loader``), frames that never run outside TorchDynamo (``tests/test_compat.py`` compares the two).
+    Only the debugging text of guards and symbols reads it. Leaves torch's function in place where a
+    module is not where it is looked for (another torch layout)."""
+    import functools
+    import glob
+    import inspect
+    import sys
+
+    from torch.fx.experimental import symbolic_shapes
+
+    if getattr(symbolic_shapes.uninteresting_files, "_loracc", False):
+        return
+    root = os.path.dirname(torch.__file__)
+
+    def path(module: str) -> str | None:
+        if module in sys.modules:
+            return inspect.getfile(sys.modules[module])
+        base = os.path.join(root, *module.split(".")[1:])
+        return next((p for p in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(p)), None)
+
+    files = {path(m) for m in _UNINTERESTING_MODULES}
+    folders = [os.path.join(root, *f.split(".")[1:]) for f in _UNINTERESTING_FOLDERS]
+    if None in files or not all(os.path.isdir(f) for f in folders):
+        return
+    for folder in folders:
+        files |= set(glob.glob(os.path.join(folder, "*.py")))
+    files.add("<string>")
+    skipped = functools.lru_cache(None)(lambda: files)
+    skipped._loracc, skipped.torchs = True, symbolic_shapes.uninteresting_files  # torch's, for the tests
+    symbolic_shapes.uninteresting_files = skipped
