@@ -253,3 +253,114 @@ def test_a_symbolic_forward_copies_its_saved_tensors_out_together_and_its_backwa
     (saved,), (grads,) = forward.together, backward.together
     assert 1 not in saved and all(j in saved for j in (2, 3, 40))
     assert list(grads) == [0, 1]
+
+
+def _layer_forward(w, b, x):
+    """A layer's forward as a symbolic program's: its output, then what it saves (a new tensor, a
+    parameter passed through, the activation input passed through, a mask of another dtype)."""
+    z = x @ w + b
+    return z.sigmoid() * z, z, w, x, z > 0
+
+
+def _layer_backward(z, w, x, mask, g):
+    s = z.sigmoid()
+    dz = g * (s + z * s * (1 - s)) * (1 + mask.to(z.dtype))
+    return dz.t().mm(x).t(), dz.sum(0), dz.mm(w.t())
+
+
+def _layer_stages(pool=None):
+    arena, pool = Arena(), pool or SharedPool()
+    forward = SizedGraphs(_layer_forward, "forward graph", arena, pool, together=(range(1, 1 << 62),),
+                          fixed_inputs=2, lend_from=1, layers=3)
+    backward = SizedGraphs(_layer_backward, "backward graph", arena, pool, together=(range(0, 2),), fixed_inputs=4,
+                           layers=3)
+    return forward, backward
+
+
+def _poison(*stages):
+    for stage in stages:
+        for slot in stage.slots.values():
+            if slot.buffer is not None:
+                slot.buffer.fill_(255)  # NaN in every float dtype
+        if stage.arena.buffer is not None:
+            stage.arena.buffer.fill_(255)
+
+
+@cuda
+def test_layers_keep_saved_tensors_in_their_slots_and_recurring_sizes_replay_graphs_of_their_own(monkeypatch):
+    """Training's order (forwards of three layers, then their backwards) over sizes that recur: the
+    saved tensors go to each layer's slot, and from a size's second step on each layer replays a
+    forward graph of its own (its parameters read in place) and a backward one (the slot read in
+    place); every output equals the stage run from Python, with the slots and the arena poisoned
+    between steps."""
+    from loracc.runtime import sized_graphs
+
+    monkeypatch.setattr(sized_graphs, "LAYER_GRAPHS_AFTER", 1)
+    torch.manual_seed(0)
+    forward, backward = _layer_stages()
+    weights = [(torch.randn(13, 29, device="cuda") / 4, torch.randn(29, device="cuda")) for _ in range(3)]
+    seen = set()
+    for rows in (33, 7, 33, 7, 33, 19, 7, 19, 33):
+        leases, saved_all, expected_grads = [], [], []
+        for w, b in weights:
+            x = torch.randn(rows, 13, device="cuda")
+            expected = _layer_forward(w, b, x)
+            got = forward(w, b, x)
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+            assert got[2] is w and got[3] is x
+            lease = forward.take_lease()
+            leases.append(lease)
+            saved_all.append(got[1:])
+            grad = torch.randn(rows, 29, device="cuda")
+            expected_grads.append((grad, _layer_backward(*expected[1:], grad)))
+            if rows in seen:  # from the size's capture on: the saved tensors are in the layer's slot
+                start = lease.slot.buffer.data_ptr()
+                assert start <= got[1].data_ptr() < start + lease.slot.buffer.numel()
+            seen.add(rows)
+        for (grad, expected), saved, lease in reversed(list(zip(expected_grads, saved_all, leases))):
+            got = backward(*saved, grad, lease=lease)
+            if lease is not None:
+                lease.release()
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        _poison(forward, backward)
+    assert forward.layer_captures == 3 * 3 and backward.layer_captures == 3 * 3  # three sizes, three layers
+    assert forward.layer_replays > forward.layer_captures and backward.layer_replays > backward.layer_captures
+    assert "a graph per layer" in forward.decision
+
+
+@cuda
+def test_a_layer_called_again_before_its_backward_gets_copies_and_a_stale_lease_is_told(monkeypatch):
+    """Two forwards of one layer before their backwards: the second's saved tensors are copies
+    (the slot still holds the first's), and both backwards give the stage's numbers; once another
+    forward wrote the slot, the first lease is no longer intact (a second backward raises)."""
+    from loracc.runtime import sized_graphs
+    from loracc.runtime.cuda_graphs import check_lease
+    from loracc.errors import LoraccError
+
+    monkeypatch.setattr(sized_graphs, "LAYER_GRAPHS_AFTER", 0)
+    torch.manual_seed(1)
+    forward, backward = _layer_stages()
+    w, b = torch.randn(13, 29, device="cuda") / 4, torch.randn(29, device="cuda")
+    for _ in range(2):  # the size's Python call and capture
+        forward(w, b, torch.randn(21, 13, device="cuda"))
+        forward.take_lease()
+    xs = [torch.randn(21, 13, device="cuda") for _ in range(2)]
+    first = forward(w, b, xs[0])
+    first_lease = forward.take_lease()
+    second = forward(w, b, xs[1])
+    assert first_lease is not None and forward.take_lease() is None
+    assert first[1].untyped_storage().data_ptr() == first_lease.slot.buffer.data_ptr()
+    assert second[1].untyped_storage().data_ptr() != first_lease.slot.buffer.data_ptr()
+    for x, out, lease in ((xs[1], second, None), (xs[0], first, first_lease)):
+        grad = torch.randn(21, 29, device="cuda")
+        expected = _layer_backward(*_layer_forward(w, b, x)[1:], grad)
+        check_lease(lease)
+        got = backward(*out[1:], grad, lease=lease)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    first_lease.release()
+    forward(w, b, xs[1])
+    with pytest.raises(LoraccError, match="second backward"):
+        check_lease(first_lease)
