@@ -10,11 +10,7 @@ docs/decisions/013-graphs-per-size.md.
 Each graph is shared by every layer that calls the stage: every input is copied into a static
 buffer before a replay, the graph writes every output into another, and the call returns copies of
 those (an output that is an input, or a view of one, is returned as the caller's own input or the
-same view of it). A forward's saved tensors are copied into its layer's ``Slot`` instead, where the
-slot is free, and lent to the layer's backward (``SlotLease``). A size that recurs
-(``LAYER_GRAPHS_AFTER`` steps) gets a graph per layer: the forward's reads the layer's parameters in
-place and writes the saved tensors straight into the slot, the backward's reads them there; only the
-activations between layers are copied (docs/decisions/054-layer-graphs-for-recurring-sizes.md).
+same view of it). So nothing a graph holds belongs to one call, and no lease is needed.
 
 Invariants:
 
@@ -28,17 +24,7 @@ Invariants:
 - Every graph's temporaries are allocated in one ``SharedPool`` of its own (never the per-layer
   graphs' pool, whose lent outputs a replay here must not overwrite): dead when a graph returns,
   so the workspaces of all sizes overlap.
-- At most ``max_graphs`` graphs are kept per stage, the least recently replayed dropped first, and
-  ``LAYER_SIZES`` graphs of its own per layer.
-- A slot holds one call's saved tensors at a time: a forward writes it (by a copy or a replay) only
-  while no lease on it waits for its backward (else it hands back copies, as the shared graphs do),
-  and never under saved-tensor hooks (which may keep what they are given). A lease is intact while
-  no call has written its slot since; a second backward through a call checks it
-  (``cuda_graphs.check_lease``). One buffer a layer, as large as its largest call: a larger call
-  replaces it and drops the layer graphs over the old one.
-- A layer graph reads in place only what its key fixes: a forward's, the addresses of the layer's
-  parameters; a backward's, the addresses its forward's lease gives (slot views, parameters), checked
-  at each call. Everything else is copied in, as for the shared graphs.
+- At most ``max_graphs`` graphs are kept per stage, the least recently replayed dropped first.
 - A call whose inputs are not all CUDA tensors, or whose capture failed, runs from Python.
 """
 from __future__ import annotations
