@@ -153,30 +153,3 @@ def test_varying_lengths_in_bf16_on_the_gpu_within_eager_bf16_error(family, padd
     assert all(r.dynamic_programs for r in compiled._loracc.regions), captures
     assert not loracc.explain(compiled).fallbacks, loracc.explain(compiled).fallbacks
     assert not [r.getMessage() for r in caplog.records if "tracing again" in r.getMessage()]
-
-
-def test_recurring_lengths_replay_each_layers_own_graphs_within_eager_bf16_error(monkeypatch):
-    """Padded batches of two lengths that recur: from a length's second step on, each layer replays
-    a forward and a backward graph of its own at that length (``sized_graphs.LAYER_GRAPHS_AFTER``
-    lowered to one step), and the losses and LoRA gradients stay within eager PEFT's bf16 error."""
-    from loracc.runtime import sized_graphs
-
-    monkeypatch.setattr(sized_graphs, "LAYER_GRAPHS_AFTER", 1)
-    model, _ = presets.preset("qwen2", layers=2)
-    reference = model.cuda()
-    eager = copy.deepcopy(reference)
-    control = with_bf16_rounded_embeddings(copy.deepcopy(reference))
-    compiled = loracc.compile(copy.deepcopy(reference))
-    vocab = reference.config.vocab_size
-    runs = []
-    for seq in (37, 64, 37, 64, 37, 64, 37):
-        ids = torch.randint(0, vocab, (3, seq), device="cuda")
-        mask = torch.ones_like(ids)
-        mask[1, seq - seq // 3:] = mask[2, seq - 5:] = 0
-        runs.append(bf16_run(reference, eager, control, compiled,
-                             {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}))
-    assert_within_eager_bf16_error(runs)
-    stages = [f for r in compiled._loracc.regions if r.kind == "block" for p in r.dynamic_programs
-              for f in (p.forward, p.backward) if isinstance(f, sized_graphs.SizedGraphs)]
-    assert len(stages) == 2 and all(s.layer_replays > 0 for s in stages), [s.decision for s in stages]
-    assert not loracc.explain(compiled).fallbacks

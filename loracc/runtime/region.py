@@ -42,7 +42,6 @@ from ..passes.remat import SEARCH
 from ..pipeline import Program, compile_call, replan
 from . import verify as verification
 from .cuda_graphs import Replayer, check_lease, share_decisions
-from .sized_graphs import SizedGraphs
 
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
@@ -84,7 +83,7 @@ class _RegionFunction(torch.autograd.Function):
         ctx.program, ctx.step, ctx.budgeted = program, step, budgeted
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
         # reads it in the graph's memory, and releases it.
-        ctx.lease = program.forward.take_lease() if isinstance(program.forward, (Replayer, SizedGraphs)) else None
+        ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, program.differentiable) if not d])
         return tuple(outputs)
@@ -96,7 +95,7 @@ class _RegionFunction(torch.autograd.Function):
         lease = ctx.lease
         check_lease(lease)
         with _compat.autocast_off(), autotune.within_budget(ctx.budgeted):
-            if isinstance(program.backward, (Replayer, SizedGraphs)):
+            if isinstance(program.backward, Replayer):
                 grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
             else:
                 grads = program.backward(*ctx.saved_tensors, *tangents)
