@@ -55,6 +55,9 @@ def _diffusion(kind: str, config: dict, batch: int, image_side: int, text_tokens
 # layouts use the same sequences (see benchmarks/varlen.py); packed rows of 4096 tokens, one a step
 # (61 steps).
 VARLEN = dict(median=400, sigma=1.0, min=16, max=4096, steps=84, sequences_per_step=4, longest_steps=6, seed=SEED)
+# The same distribution over four times the steps (336), where each packed width recurs several times
+# more often (docs/decisions/054-no-graphs-per-layer-and-width.md).
+LONG_VARLEN = dict(VARLEN, steps=4 * VARLEN["steps"])
 TINY_VARLEN = dict(median=12, sigma=0.6, min=4, max=32, steps=6, sequences_per_step=2, longest_steps=2, seed=SEED)
 
 WORKLOADS = {
@@ -115,6 +118,7 @@ WORKLOADS = {
     **{f"{name}-{kind}": dict(family=family, batch=batch, seq=varlen["max"], dtype=dtype, config=config,
                               varlen=dict(varlen, layout=layout))
        for name, family, dtype, config, varlen in [("qwen2-0.5b", "qwen2", "bfloat16", QWEN2_05B, VARLEN),
+                                                    ("qwen2-0.5b-long", "qwen2", "bfloat16", QWEN2_05B, LONG_VARLEN),
                                                     ("tiny", "llama", "float32", TINY, TINY_VARLEN)]
        for kind, layout, batch in [("varlen", "padded", varlen["sequences_per_step"]), ("packed", "packed", 1),
                                    ("fixed-mean", "fixed-mean", varlen["sequences_per_step"]),
