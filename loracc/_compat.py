@@ -370,13 +370,13 @@ _UNINTERESTING_FOLDERS = ("torch._higher_order_ops", "torch._dynamo.polyfills")
 
 def skip_frames_without_importing() -> None:
     """Give torch's shape environment the files it skips when it records a symbol's or guard's source
-    location without the imports its own ``uninteresting_files`` makes for them: its first call
-    imports all of TorchDynamo and ``torch.export`` (a second or more, once a process) only to read
-    their modules' paths, which are found here where they lie in torch's package. The set is torch's
-    own, plus the polyfill folder's two files that are not polyfills (``__init__``'s package and
-    ``loader``), frames that never run outside TorchDynamo (``tests/test_compat.py`` compares the two).
-    Only the debugging text of guards and symbols reads it. Leaves torch's function in place where a
-    module is not where it is looked for (another torch layout)."""
+    location without the imports its own ``uninteresting_files`` makes for them: its first call in a
+    process imports TorchDynamo's guards and ``torch.export`` only to read their modules' paths,
+    which are found here where they lie in torch's package. The set is torch's own plus the files
+    of TorchDynamo's polyfills folder that it does not load (its ``loader``, say), whose frames never
+    run outside TorchDynamo (``tests/test_compat.py`` compares the two). It only chooses which frame
+    a symbol's or guard's recorded location names. Leaves torch's function in place where a module
+    is not where it is looked for (another torch layout)."""
     import functools
     import glob
     import inspect
