@@ -42,6 +42,7 @@ from ..passes.remat import SEARCH
 from ..pipeline import Program, compile_call, replan
 from . import verify as verification
 from .cuda_graphs import Replayer, check_lease, share_decisions
+from .sized_graphs import SizedGraphs
 
 # A region compiles the first call of each kind with static shapes (the fastest kernels, CUDA graphs
 # where they pay); the next call of that kind with other batch or sequence sizes compiles one
@@ -84,6 +85,8 @@ class _RegionFunction(torch.autograd.Function):
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
         # reads it in the graph's memory, and releases it.
         ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
+        # A symbolic forward replayed per size hands its saved tensors over in one buffer (sized_graphs.Block).
+        ctx.block = program.forward.take_block() if isinstance(program.forward, SizedGraphs) else None
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, program.differentiable) if not d])
         return tuple(outputs)
@@ -97,6 +100,11 @@ class _RegionFunction(torch.autograd.Function):
         with _compat.autocast_off(), autotune.within_budget(ctx.budgeted):
             if isinstance(program.backward, Replayer):
                 grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
+            elif ctx.block is not None:
+                if isinstance(program.backward, SizedGraphs):
+                    grads = program.backward(*ctx.saved_tensors, *tangents, block=ctx.block)
+                else:
+                    grads = program.backward(*ctx.block.expand(ctx.saved_tensors), *tangents)
             else:
                 grads = program.backward(*ctx.saved_tensors, *tangents)
         if lease is not None:
