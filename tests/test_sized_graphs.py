@@ -341,7 +341,8 @@ def test_a_forward_hands_its_saved_tensors_to_its_backward_in_one_block():
         for view, e in zip(block.members(flat), (expected[1], expected[3], expected[4])):
             assert view.shape == e.shape and view.stride() == e.stride() and view.dtype == e.dtype
             torch.testing.assert_close(view, e, rtol=1e-4, atol=1e-5)
-        arena.buffer.fill_(255)
+        if arena.buffer is not None:
+            arena.buffer.fill_(255)
         grads = backward(*out[1:], gy, block=block)
         for g, e in zip(grads, _backward_stage(*expected[1:], gy)):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
