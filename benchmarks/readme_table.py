@@ -43,7 +43,7 @@ def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = No
     whatever its device). Rows keep their runs' order, older runs first."""
     folders = [folder] if folder else [p for p in results.iterdir() if p.is_dir()]
     found: dict[tuple, tuple] = {}  # (workload, method[, batch, seq]) → (date, order, folder, run, record)
-    runs: dict[str, dict[str, set]] = {}  # workload → date → methods
+    runs: dict[str, dict[str, set]] = {}  # workload → run folder (named from its date) → methods
     for f in folders:
         for order, (run, r) in enumerate(step_records(f)):
             if r.get("suite", "main") != suite or (folder is None and str(run.get("device", "")).startswith("CPU")):
@@ -53,7 +53,7 @@ def latest(suite: str, results: Path = harness.RESULTS, folder: Path | None = No
             # A fixed-shape row per shape; a varying-length workload's rows whatever its data's clip.
             shape = (r.get("batch"), r.get("seq")) if suite == "main" else ()
             key, date = (r["workload"], r["method"], *shape), str(run.get("date"))
-            runs.setdefault(r["workload"], {}).setdefault(date, set()).add(r["method"])
+            runs.setdefault(r["workload"], {}).setdefault(f.name, set()).add(r["method"])
             if key not in found or found[key][0] < date:
                 found[key] = (date, order, f, run, r)
     shown = {}

@@ -621,6 +621,22 @@ def test_readme_table_fills_only_between_the_markers(tmp_path):
     assert "| qwen2-0.5b 8×1024 | loracc |" in path.read_text() and path.read_text().endswith("after\n")
 
 
+def test_readme_table_shows_every_method_of_the_latest_run_folder_whatever_its_files_dates(tmp_path):
+    """A run folder is one run: eager PEFT measured by a later command of the same folder does not hide
+    loracc's row measured earlier in it."""
+    from benchmarks import readme_table
+
+    folder = tmp_path / "2026-01-07-h100-fffffff"
+    varlen = dict(workload="qwen2-0.5b-varlen", suite="varlen", status="ok", wall_s_run=12.0, peak_memory_bytes=2**30)
+    _step_run(folder, "2026-01-07T10:00:00+00:00", "GPU X", [dict(method="loracc", tokens_per_s=900.0, **varlen)],
+              name="varlen.json")
+    _step_run(folder, "2026-01-07T10:05:00+00:00", "GPU X", [dict(method="peft-eager", tokens_per_s=300.0, **varlen)],
+              name="varlen-peft.json")
+    table = readme_table.table_text(tmp_path)
+    assert "| qwen2-0.5b-varlen (lengths ≤ 4096) | loracc | 900 | 3.00× |" in table
+    assert "| qwen2-0.5b-varlen (lengths ≤ 4096) | peft-eager | 300 | 1.00× |" in table
+
+
 # ---------------------------------------------------------------------------------------------
 # Workloads of the other issues: MoE, NF4 base, diffusion (tiny shapes of the same builders)
 # ---------------------------------------------------------------------------------------------
