@@ -255,29 +255,29 @@ def test_a_symbolic_forward_copies_its_saved_tensors_out_together_and_its_backwa
     assert list(grads) == [0, 1]
 
 
-def _block_layouts():
+def _saved_layouts():
     return [((5, 3), (3, 1), torch.float32), ((4, 7), (1, 4), torch.bfloat16), ((2, 0), (1, 1), torch.float16),
             ((9,), (1,), torch.bool), ((3, 2, 5), (10, 1, 2), torch.int64)]
 
 
-def test_a_block_holds_each_saved_tensor_aligned_in_its_own_layout():
-    from loracc.runtime.sized_graphs import Block
+def test_a_saved_buffer_holds_each_saved_tensor_aligned_in_its_own_layout():
+    from loracc.runtime.sized_graphs import SavedBuffer
 
     g = torch.Generator().manual_seed(5)
-    layouts = _block_layouts()
+    layouts = _saved_layouts()
     positions = [0, 2, 3, 5, 6]
     saved = [None] * 8
     for p, (shape, stride, dtype) in zip(positions, layouts):
         t = torch.empty_strided(shape, stride, dtype=dtype)
         t.copy_(torch.randn(shape, generator=g) * 5 if dtype.is_floating_point else torch.randint(0, 2 if dtype == torch.bool else 99, shape, generator=g))
         saved[p] = t
-    saved[1], saved[4], saved[7] = torch.randn(3), torch.randn(2), torch.randn(4)  # not in the block
-    block = Block(positions, layouts)
-    flat = block.pack(saved, torch.device("cpu"))
-    assert flat.dtype == torch.uint8 and flat.numel() == block.nbytes
-    assert all(o % ALIGN == 0 for o in block.offsets)
-    assert all(a + n <= b for a, n, b in zip(block.offsets, block.spans, block.offsets[1:]))
-    for view, p in zip(block.members(flat), positions):
+    saved[1], saved[4], saved[7] = torch.randn(3), torch.randn(2), torch.randn(4)  # not in the buffer
+    layout = SavedBuffer(positions, layouts)
+    flat = layout.pack(saved, torch.device("cpu"))
+    assert flat.dtype == torch.uint8 and flat.numel() == layout.nbytes
+    assert all(o % ALIGN == 0 for o in layout.offsets)
+    assert all(a + n <= b for a, n, b in zip(layout.offsets, layout.spans, layout.offsets[1:]))
+    for view, p in zip(layout.members(flat), positions):
         assert view.shape == saved[p].shape and view.stride() == saved[p].stride() and view.dtype == saved[p].dtype
         assert torch.equal(view, saved[p])
         assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
@@ -285,9 +285,9 @@ def test_a_block_holds_each_saved_tensor_aligned_in_its_own_layout():
     handed[0] = flat
     for i in (1, 4, 7):
         handed[i] = saved[i]
-    full = block.expand(handed)
+    full = layout.expand(handed)
     assert all(torch.equal(a, b) for a, b in zip(full, saved)) and full[1] is saved[1]
-    assert block.rest(9) == [1, 4, 7, 8]
+    assert layout.rest(9) == [1, 4, 7, 8]
 
 
 def test_bound_groups_leave_out_the_indices_skipped():
@@ -304,7 +304,7 @@ def test_bound_groups_leave_out_the_indices_skipped():
 
 def _forward_stage(w, x):
     """A forward's outputs: one output, then what it saves: a new tensor, an input, a transposed new
-    tensor, a boolean mask (block_from=1)."""
+    tensor, a boolean mask (saved_from=1)."""
     h = x @ w
     return torch.tanh(h), h, x, (h * 2).t(), h > 0
 
@@ -315,35 +315,35 @@ def _backward_stage(h, x, h2t, mask, gy):
 
 
 @cuda
-def test_a_forward_hands_its_saved_tensors_to_its_backward_in_one_block():
+def test_a_forward_hands_its_saved_tensors_to_its_backward_in_one_buffer():
     """Python calls, captures and replays: the same numbers as the stages run as they are; each size
-    has one Block, whatever ran; a block a call returned is not overwritten by later calls (the
+    has one SavedBuffer, whatever ran; a buffer a call returned is not overwritten by later calls (the
     arena is poisoned before every call)."""
     torch.manual_seed(0)
     arena, pool = Arena(), SharedPool()
-    forward = SizedGraphs(_forward_stage, "forward graph", arena, pool, block_from=1)
+    forward = SizedGraphs(_forward_stage, "forward graph", arena, pool, saved_from=1)
     backward = SizedGraphs(_backward_stage, "backward graph", arena, pool)
     w = torch.randn(13, 29, device="cuda")
-    blocks, kept = {}, []
+    layouts, kept = {}, []
     for rows in (33, 33, 7, 33, 7, 19, 7, 19, 33):
         x, gy = torch.randn(rows, 13, device="cuda"), torch.randn(rows, 29, device="cuda")
         expected = _forward_stage(w, x)
         if arena.buffer is not None:
             arena.buffer.fill_(255)
         out = forward(w, x)
-        block = forward.take_block()
-        assert block is not None and forward.take_block() is None
-        assert blocks.setdefault(rows, block) is block
-        assert block.positions == (0, 2, 3)
+        layout = forward.take_saved()
+        assert layout is not None and forward.take_saved() is None
+        assert layouts.setdefault(rows, layout) is layout
+        assert layout.positions == (0, 2, 3)
         flat, handed_x, none_1, none_2 = out[1:]
         assert flat.dtype == torch.uint8 and handed_x is x and none_1 is None and none_2 is None
         torch.testing.assert_close(out[0], expected[0], rtol=1e-4, atol=1e-5)
-        for view, e in zip(block.members(flat), (expected[1], expected[3], expected[4])):
+        for view, e in zip(layout.members(flat), (expected[1], expected[3], expected[4])):
             assert view.shape == e.shape and view.stride() == e.stride() and view.dtype == e.dtype
             torch.testing.assert_close(view, e, rtol=1e-4, atol=1e-5)
         if arena.buffer is not None:
             arena.buffer.fill_(255)
-        grads = backward(*out[1:], gy, block=block)
+        grads = backward(*out[1:], gy, saved=layout)
         for g, e in zip(grads, _backward_stage(*expected[1:], gy)):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
         kept.append((flat.clone(), flat))
@@ -355,19 +355,19 @@ def test_a_forward_hands_its_saved_tensors_to_its_backward_in_one_block():
 
 
 @cuda
-def test_a_backward_output_that_is_a_saved_tensor_of_the_block_runs_from_python():
+def test_a_backward_output_that_is_a_saved_tensor_in_the_buffer_runs_from_python():
     def backward_stage(h, x, h2t, mask, gy):
         return (gy * h, h)
 
     arena, pool = Arena(), SharedPool()
-    forward = SizedGraphs(_forward_stage, "forward graph", arena, pool, block_from=1)
+    forward = SizedGraphs(_forward_stage, "forward graph", arena, pool, saved_from=1)
     backward = SizedGraphs(backward_stage, "backward graph", arena, pool)
     w = torch.randn(13, 29, device="cuda")
     for _ in range(3):
         x, gy = torch.randn(5, 13, device="cuda"), torch.randn(5, 29, device="cuda")
         out = forward(w, x)
-        block = forward.take_block()
-        gh, h = backward(*out[1:], gy, block=block)
+        layout = forward.take_saved()
+        gh, h = backward(*out[1:], gy, saved=layout)
         torch.testing.assert_close(h, x @ w, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(gh, gy * (x @ w), rtol=1e-4, atol=1e-5)
-    assert backward.captures == 0 and "saved input handed in a block" in backward.decision
+    assert backward.captures == 0 and "saved input handed in one buffer" in backward.decision

@@ -266,7 +266,7 @@ class Replayers:
             # copied out together: a forward's saved tensors (from lend_from on), a backward's parameter gradients
             lend_from = options.get("lend_from")
             together = range(lend_from, sys.maxsize) if lend_from is not None else range(options.get("together", 0))
-            return SizedGraphs(fn, name, self.arena, self.sized_pool, together=(together,), block_from=lend_from)
+            return SizedGraphs(fn, name, self.arena, self.sized_pool, together=(together,), saved_from=lend_from)
         return Replayer(fn, name, mode=mode, pool=self.pool, after=after if isinstance(after, Replayer) else None,
                         **options)
 

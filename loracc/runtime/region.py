@@ -85,8 +85,8 @@ class _RegionFunction(torch.autograd.Function):
         # A forward replayed as a CUDA graph lends what it saves (cuda_graphs.Lease): the backward
         # reads it in the graph's memory, and releases it.
         ctx.lease = program.forward.take_lease() if isinstance(program.forward, Replayer) else None
-        # A symbolic forward replayed per size hands its saved tensors over in one buffer (sized_graphs.Block).
-        ctx.block = program.forward.take_block() if isinstance(program.forward, SizedGraphs) else None
+        # A symbolic forward replayed per size hands its saved tensors over in one buffer (sized_graphs.SavedBuffer).
+        ctx.saved_buffer = program.forward.take_saved() if isinstance(program.forward, SizedGraphs) else None
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, program.differentiable) if not d])
         return tuple(outputs)
@@ -100,11 +100,11 @@ class _RegionFunction(torch.autograd.Function):
         with _compat.autocast_off(), autotune.within_budget(ctx.budgeted):
             if isinstance(program.backward, Replayer):
                 grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
-            elif ctx.block is not None:
+            elif ctx.saved_buffer is not None:
                 if isinstance(program.backward, SizedGraphs):
-                    grads = program.backward(*ctx.saved_tensors, *tangents, block=ctx.block)
+                    grads = program.backward(*ctx.saved_tensors, *tangents, saved=ctx.saved_buffer)
                 else:
-                    grads = program.backward(*ctx.block.expand(ctx.saved_tensors), *tangents)
+                    grads = program.backward(*ctx.saved_buffer.expand(ctx.saved_tensors), *tangents)
             else:
                 grads = program.backward(*ctx.saved_tensors, *tangents)
         if lease is not None:

@@ -12,10 +12,10 @@ buffer before a replay, the graph writes every output into another, and the call
 those (an output that is an input, or a view of one, is returned as the caller's own input or the
 same view of it). So nothing a graph holds belongs to one call, and no lease is needed.
 
-A forward given ``block_from`` (the index of its first saved output) hands the saved outputs it
-copies to its backward as one ``Block``: a single byte buffer that holds them all at fixed offsets,
+A forward given ``saved_from`` (the index of its first saved output) hands the saved outputs it
+copies to its backward in one byte buffer that holds them all at fixed offsets (``SavedBuffer``),
 copied out of the arena with one copy, at the first such output's place (``None`` at the others');
-the backward, called with ``block=``, copies that buffer into its own arena with one copy. A layer's
+the backward, called with ``saved=``, copies that buffer into its own arena with one copy. A layer's
 call then handles one tensor where it handled dozens (each a view made, saved for the backward,
 unpacked, keyed and copied on the host); the bytes copied on the device are the same.
 
@@ -81,7 +81,7 @@ class Arena:
                 for o, span, (shape, stride, dtype) in zip(offsets, spans, specs)]
 
 
-class Block:
+class SavedBuffer:
     """Where a forward's saved outputs lie in the one byte buffer it hands its backward (see the
     module's docstring): ``positions`` among the saved outputs, each one's ``layouts`` (shape,
     stride, dtype) and byte ``offsets`` (multiples of ``ALIGN``, in order), ``nbytes`` in all. One
@@ -116,7 +116,7 @@ class Block:
         return full
 
     def rest(self, n: int) -> list[int]:
-        """The indices among ``n`` inputs of a backward that are not in the block."""
+        """The indices among ``n`` inputs of a backward that are not in the buffer."""
         rest = self._rest.get(n)
         if rest is None:
             held = set(self.positions)
@@ -128,15 +128,17 @@ class _SizeGraph:
     """One captured graph: its static inputs, where its outputs go, and how to hand them back."""
 
     def __init__(self, graph, copies_in, out_views, recipe, device: torch.device, together: tuple = (),
-                 block_out: tuple | None = None, block_in: tuple | None = None):
-        """``copies_in``: ``bound_groups`` of the static inputs (which it keeps alive) that are not in a
-        block; ``out_views``: where the graph writes the outputs it hands back as copies of their own;
-        ``recipe``: what each output is (``SizedGraphs._recipe``); ``together``: sets of indices into
-        ``out_views`` whose copies share one allocation per dtype (``pack_plan``); ``block_out``: the
-        ``Block`` a forward hands back and the arena bytes its graph writes it into; ``block_in``: the
-        ``Block`` a backward is called with and the arena bytes its graph reads it from."""
+                 saved_out: tuple | None = None, saved_in: tuple | None = None):
+        """``copies_in``: ``bound_groups`` of the static inputs (which it keeps alive) but those of a saved
+        buffer; ``out_views``: where the graph writes the outputs it hands back as copies of their own;
+        ``recipe``: what each output is (``SizedGraphs._capture_graph``: a copy of its own, the saved
+        buffer, an input or a view of one, a constant); ``together``: sets of indices into
+        ``out_views`` whose copies share one allocation per dtype (``pack_plan``); ``saved_out``: the
+        ``SavedBuffer`` a forward hands its saved outputs back in and the arena bytes its graph writes
+        them into; ``saved_in``: the ``SavedBuffer`` a backward is called with and the arena bytes its
+        graph reads them from."""
         self.graph, self.copies_in, self.recipe, self.device = graph, copies_in, recipe, device
-        self.block_out, self.block_in = block_out, block_in
+        self.saved_out, self.saved_in = saved_out, saved_in
         self.seq = 0  # set by the pool (SharedPool.added)
         # The buffers' side of each copy is fixed: bound once, not at every call.
         self.copies_out = bound_groups(out_views)
@@ -146,9 +148,9 @@ class _SizeGraph:
         self.alone = [(j, layout) for j, layout in enumerate(self.out_layouts) if j not in packed]
 
     def __call__(self, inputs):
-        if self.block_in is not None:
-            block, arena_bytes = self.block_in
-            arena_bytes.copy_(inputs[block.positions[0]])
+        if self.saved_in is not None:
+            layout, arena_bytes = self.saved_in
+            arena_bytes.copy_(inputs[layout.positions[0]])
         copy_into(self.copies_in, inputs)
         self.graph.replay()
         copies = [None] * len(self.out_layouts)
@@ -158,9 +160,9 @@ class _SizeGraph:
         for one_by_one, indices, buffers in self.copies_out:
             _copy(one_by_one, [copies[i] for i in indices], buffers)
         flat = None
-        if self.block_out is not None:
-            block, arena_bytes = self.block_out
-            flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        if self.saved_out is not None:
+            layout, arena_bytes = self.saved_out
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
             flat.copy_(arena_bytes)
         results = []
         for kind, value in self.recipe:
@@ -170,9 +172,9 @@ class _SizeGraph:
                 k, shape, stride, delta = value
                 t = inputs[k]
                 results.append(t if shape is None else t.as_strided(shape, stride, t.storage_offset() + delta))
-            elif kind == "block":
+            elif kind == "saved":
                 results.append(flat)
-            else:  # "const": not a tensor (None, a number), or a block's member after its first
+            else:  # "const": not a tensor (None, a number), or a saved output in the buffer after its first
                 results.append(value)
         return results
 
@@ -185,21 +187,21 @@ class SizedGraphs:
     on one device. ``together``: ranges of output indices whose copies out of a replay share one
     allocation (per dtype): outputs that die together (a forward's saved tensors, read by its backward;
     a backward's parameter gradients, kept until the optimizer's step), one allocation instead of one each.
-    ``block_from``: a forward's first saved output; the saved outputs it copies are handed back as
-    one ``Block`` (``take_block`` says which, right after the call), for its backward's ``block=``."""
+    ``saved_from``: a forward's first saved output; the saved outputs it copies are handed back as
+    one ``SavedBuffer`` (``take_saved`` says which, right after the call), for its backward's ``saved=``."""
 
     def __init__(self, fn, name: str, arena: Arena, pool, max_graphs: int = 64, together: tuple = (),
-                 block_from: int | None = None):
+                 saved_from: int | None = None):
         self.fn, self.name, self.arena, self.pool, self.max_graphs = fn, name, arena, pool, max_graphs
         self.together = together  # ranges of output indices: see the class's docstring
-        self.block_from = block_from
+        self.saved_from = saved_from
         self.graphs: collections.OrderedDict = collections.OrderedDict()  # size key → _SizeGraph, LRU order
         # size key → what a call from Python returned (``_outputs_plan``): a size seen once
         self.seen: collections.OrderedDict = collections.OrderedDict()
-        self.blocks: collections.OrderedDict = collections.OrderedDict()  # size key → its Block (``block_from``)
+        self.layouts: collections.OrderedDict = collections.OrderedDict()  # size key → its SavedBuffer (``saved_from``)
         self.failed: dict = {}  # size key → why it runs from Python (its capture failed)
         self.captures = self.replays = self.python_calls = 0
-        self.handed: Block | None = None  # the Block the last call handed back, until ``take_block``
+        self.handed: SavedBuffer | None = None  # the SavedBuffer the last call handed back, until ``take_saved``
         self._warmed = False
         arena.users.add(self)
 
@@ -215,18 +217,18 @@ class SizedGraphs:
     def drop_all(self) -> None:
         self.graphs.clear()
 
-    def take_block(self) -> Block | None:
-        """The ``Block`` the last call handed back its saved outputs in (None if it handed them one by one)."""
-        block, self.handed = self.handed, None
-        return block
+    def take_saved(self) -> SavedBuffer | None:
+        """The ``SavedBuffer`` the last call handed back its saved outputs in (None if it handed them one by one)."""
+        layout, self.handed = self.handed, None
+        return layout
 
-    def __call__(self, *inputs, block: Block | None = None):
-        """The stage's outputs for ``inputs``. ``block``: what the forward's ``take_block`` said of the
-        saved outputs among ``inputs`` (a backward's first inputs): its buffer at the block's first
+    def __call__(self, *inputs, saved: SavedBuffer | None = None):
+        """The stage's outputs for ``inputs``. ``saved``: what the forward's ``take_saved`` said of the
+        saved outputs among ``inputs`` (a backward's first inputs): their buffer at the first one's
         position, ``None`` at the others'."""
         self.handed = None
-        if block is not None:
-            return self._call_with_block(inputs, block)
+        if saved is not None:
+            return self._call_with_saved(inputs, saved)
         if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
             self.python_calls += 1
             return self.fn(*inputs)
@@ -241,26 +243,26 @@ class SizedGraphs:
                 return self._from_python(key, inputs)
         self.graphs.move_to_end(key)
         self.replays += 1
-        if graph.block_out is not None:
-            self.handed = graph.block_out[0]
+        if graph.saved_out is not None:
+            self.handed = graph.saved_out[0]
         return graph(inputs)
 
-    def _call_with_block(self, inputs, block: Block):
-        """A backward's call whose saved inputs come in ``block``: keyed by the block (one per forward
-        size) and the sizes of the other inputs."""
-        rest = block.rest(len(inputs))
-        flat = inputs[block.positions[0]]
+    def _call_with_saved(self, inputs, layout: SavedBuffer):
+        """A backward's call whose saved inputs come in one buffer laid out as ``layout``: keyed by the
+        layout (one per forward size) and the sizes of the other inputs."""
+        rest = layout.rest(len(inputs))
+        flat = inputs[layout.positions[0]]
         if not (flat.is_cuda and all(isinstance(inputs[i], torch.Tensor) and inputs[i].is_cuda for i in rest)):
             self.python_calls += 1
-            return self.fn(*block.expand(inputs))
-        key = (block, *[(inputs[i].shape, inputs[i].stride(), inputs[i].dtype) for i in rest])
+            return self.fn(*layout.expand(inputs))
+        key = (layout, *[(inputs[i].shape, inputs[i].stride(), inputs[i].dtype) for i in rest])
         graph = self.graphs.get(key)
         if graph is None:
             seen = self.seen.get(key)
-            full = block.expand(inputs)
+            full = layout.expand(inputs)
             if seen is None or key in self.failed:
                 return self._from_python(key, full)
-            graph = self._capture(key, full, *seen, block_in=(block, flat))
+            graph = self._capture(key, full, *seen, saved_in=(layout, flat))
             if graph is None:
                 return self._from_python(key, full)
         self.graphs.move_to_end(key)
@@ -269,7 +271,7 @@ class SizedGraphs:
 
     def _from_python(self, key, inputs):
         """The call run from Python; a size's first also records what its graph will return. A
-        forward with ``block_from`` hands its saved outputs back in the size's ``Block``."""
+        forward with ``saved_from`` hands its saved outputs back in the size's ``SavedBuffer``."""
         self.python_calls += 1
         outputs = self.fn(*inputs)
         if key not in self.failed and key not in self.seen:
@@ -279,43 +281,43 @@ class SizedGraphs:
                 self.failed[key] = str(exc)
             while len(self.seen) > 4 * self.max_graphs:
                 self.seen.popitem(last=False)
-        block = self._block(key)
-        if block is None:
+        layout = self._layout(key)
+        if layout is None:
             return outputs
         outputs = list(outputs)
-        flat = block.pack(outputs[self.block_from:], inputs[0].device)
-        for p in block.positions:
-            outputs[self.block_from + p] = None
-        outputs[self.block_from + block.positions[0]] = flat
-        self.handed = block
+        flat = layout.pack(outputs[self.saved_from:], inputs[0].device)
+        for p in layout.positions:
+            outputs[self.saved_from + p] = None
+        outputs[self.saved_from + layout.positions[0]] = flat
+        self.handed = layout
         return outputs
 
-    def _block(self, key) -> Block | None:
-        """A forward's ``Block`` for the size ``key``: its saved outputs copied out of a replay, in
-        their layouts (None: no ``block_from``, none such, or no outputs plan for the size)."""
-        if self.block_from is None:
+    def _layout(self, key) -> SavedBuffer | None:
+        """A forward's ``SavedBuffer`` for the size ``key``: its saved outputs copied out of a replay, in
+        their layouts (None: no ``saved_from``, none such, or no outputs plan for the size)."""
+        if self.saved_from is None:
             return None
-        block = self.blocks.get(key)
-        if block is None:
+        layout = self.layouts.get(key)
+        if layout is None:
             seen = self.seen.get(key)
             if seen is None:
                 return None
             plan, out_specs = seen
-            members = [(j - self.block_from, out_specs[n]) for j, (kind, n) in enumerate(plan)
-                       if kind == "copy" and j >= self.block_from]
+            members = [(j - self.saved_from, out_specs[n]) for j, (kind, n) in enumerate(plan)
+                       if kind == "copy" and j >= self.saved_from]
             if not members:
                 return None
-            block = self.blocks[key] = Block(*zip(*members))
-            while len(self.blocks) > 4 * self.max_graphs:
-                self.blocks.popitem(last=False)
-        return block
+            layout = self.layouts[key] = SavedBuffer(*zip(*members))
+            while len(self.layouts) > 4 * self.max_graphs:
+                self.layouts.popitem(last=False)
+        return layout
 
-    def _capture(self, key, inputs, plan, out_specs, block_in: tuple | None = None) -> _SizeGraph | None:
+    def _capture(self, key, inputs, plan, out_specs, saved_in: tuple | None = None) -> _SizeGraph | None:
         try:
-            graph = self._capture_graph(inputs, plan, out_specs, self._block(key), block_in)
+            graph = self._capture_graph(inputs, plan, out_specs, self._layout(key), saved_in)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this size runs from Python, say why
             self.failed[key] = f"{type(exc).__name__}: {exc}"
-            sizes = [list(s) for s, _, _ in key[1:]] if block_in is not None else [list(s) for s, _, _ in key]
+            sizes = [list(s) for s, _, _ in key[1:]] if saved_in is not None else [list(s) for s, _, _ in key]
             log.info("loracc: %s at sizes %s runs from Python: the capture failed (%s)", self.name, sizes, self.failed[key])
             torch.cuda.synchronize()
             _compat.release_generators_after_failed_capture(torch.device("cuda"))
@@ -326,37 +328,38 @@ class SizedGraphs:
             self.graphs.popitem(last=False)
         return graph
 
-    def _capture_graph(self, inputs, plan, out_specs, block_out: Block | None, block_in: tuple | None) -> _SizeGraph:
-        """Capture ``fn`` over arena buffers holding ``inputs`` (a backward's with its block's members
-        in place; ``block_in``: that ``Block`` and the buffer it came in). No warm-up run: a call of
+    def _capture_graph(self, inputs, plan, out_specs, saved_out: SavedBuffer | None, saved_in: tuple | None) -> _SizeGraph:
+        """Capture ``fn`` over arena buffers holding ``inputs`` (a backward's with the saved outputs of
+        its buffer in place; ``saved_in``: their ``SavedBuffer`` and the buffer they came in);
+        ``saved_out``: the layout a forward hands its saved outputs back in. No warm-up run: a call of
         the same sizes already ran from Python (kernels compiled, autotuned, plans built); only a
         stage's first capture warms the capture stream up. Unlike ``torch.cuda.graph``, no device
         synchronisation and no ``empty_cache`` (each would cost every new size milliseconds)."""
-        block, flat = block_in if block_in is not None else (None, None)
-        held = block.positions if block is not None else ()
+        layout, flat = saved_in if saved_in is not None else (None, None)
+        held = layout.positions if layout is not None else ()
         if any(kind == "input" and value[0] in held for kind, value in plan):
-            raise ValueError("an output is a saved input handed in a block, or a view of one")
+            raise ValueError("an output is a saved input handed in one buffer, or a view of one")
         copied = [j for j, (kind, _) in enumerate(plan) if kind == "copy"]
-        blocked = {self.block_from + p for p in block_out.positions} if block_out is not None else set()
-        kept = [j for j in copied if j not in blocked]
+        in_buffer = {self.saved_from + p for p in saved_out.positions} if saved_out is not None else set()
+        kept = [j for j in copied if j not in in_buffer]
         alone = [i for i in range(len(inputs)) if i not in held]
         specs = [(tuple(inputs[i].shape), inputs[i].stride(), inputs[i].dtype) for i in alone]
         specs += [out_specs[plan[j][1]] for j in kept]
-        specs += [((b.nbytes,), (1,), torch.uint8) for b in (block, block_out) if b is not None]
+        specs += [((b.nbytes,), (1,), torch.uint8) for b in (layout, saved_out) if b is not None]
         views = iter(self.arena.views(specs, flat.device if flat is not None else inputs[0].device))
         static_inputs = [None] * len(inputs)
         for i in alone:
             static_inputs[i] = next(views)
         out_views = [next(views) for _ in kept]
         where = dict(zip(kept, out_views))  # output index → the view the graph writes it into
-        bytes_in = next(views) if block is not None else None
-        bytes_out = next(views) if block_out is not None else None
-        if block is not None:
-            for p, view in zip(block.positions, block.members(bytes_in)):
+        bytes_in = next(views) if layout is not None else None
+        bytes_out = next(views) if saved_out is not None else None
+        if layout is not None:
+            for p, view in zip(layout.positions, layout.members(bytes_in)):
                 static_inputs[p] = view
             bytes_in.copy_(flat)
-        if block_out is not None:
-            where.update(zip((self.block_from + p for p in block_out.positions), block_out.members(bytes_out)))
+        if saved_out is not None:
+            where.update(zip((self.saved_from + p for p in saved_out.positions), saved_out.members(bytes_out)))
         copies_in = bound_groups(static_inputs, skip=held)
         copy_into(copies_in, inputs)
         stream = self.pool.warm_up_stream()
@@ -382,13 +385,13 @@ class SizedGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         position = {j: n for n, j in enumerate(kept)}  # output index → index among the copies of their own
         together = [[n for j, n in position.items() if j in r] for r in self.together]
-        first = self.block_from + block_out.positions[0] if block_out is not None else None
-        recipe = [("block", None) if j == first else ("const", None) if j in blocked else
+        first = self.saved_from + saved_out.positions[0] if saved_out is not None else None
+        recipe = [("saved", None) if j == first else ("const", None) if j in in_buffer else
                   ("copy", position[j]) if kind == "copy" else (kind, value)
                   for j, (kind, value) in enumerate(plan)]
         sized = _SizeGraph(graph, copies_in, out_views, recipe, inputs[0].device, together,
-                           block_out=(block_out, bytes_out) if block_out is not None else None,
-                           block_in=(block, bytes_in) if block is not None else None)
+                           saved_out=(saved_out, bytes_out) if saved_out is not None else None,
+                           saved_in=(layout, bytes_in) if layout is not None else None)
         self.pool.added(sized)
         return sized
 
