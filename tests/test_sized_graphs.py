@@ -244,15 +244,15 @@ def test_outputs_copied_out_together_on_the_gpu():
     _check_packed(_packed_sources("cuda"), [0, 1, 2, 3, 4, 5, 6])
 
 
-def test_a_symbolic_forward_copies_its_saved_tensors_out_together_and_its_backward_its_parameters_gradients():
+def test_a_symbolic_forward_hands_its_saved_tensors_in_one_buffer_and_its_backward_copies_its_parameters_gradients_out_together():
     from loracc.runtime.cuda_graphs import Replayers
 
     replayers = Replayers()
     forward = replayers(_stage, "forward graph", mode="auto", symbolic=True, fixed_inputs=2, lend_from=2)
     backward = replayers(_stage, "backward graph", mode="auto", symbolic=True, after=forward, fixed_inputs=3, together=2)
-    (saved,), (grads,) = forward.together, backward.together
-    assert 1 not in saved and all(j in saved for j in (2, 3, 40))
-    assert list(grads) == [0, 1]
+    assert forward.saved_from == 2 and backward.saved_from is None
+    (none,), (grads,) = forward.together, backward.together
+    assert not list(none) and list(grads) == [0, 1]
 
 
 def _saved_layouts():
