@@ -269,7 +269,8 @@ def test_a_saved_buffer_holds_each_saved_tensor_aligned_in_its_own_layout():
     saved = [None] * 8
     for p, (shape, stride, dtype) in zip(positions, layouts):
         t = torch.empty_strided(shape, stride, dtype=dtype)
-        t.copy_(torch.randn(shape, generator=g) * 5 if dtype.is_floating_point else torch.randint(0, 2 if dtype == torch.bool else 99, shape, generator=g))
+        high = 2 if dtype == torch.bool else 99
+        t.copy_(torch.randn(shape, generator=g) * 5 if dtype.is_floating_point else torch.randint(0, high, shape, generator=g))
         saved[p] = t
     saved[1], saved[4], saved[7] = torch.randn(3), torch.randn(2), torch.randn(4)  # not in the buffer
     layout = SavedBuffer(positions, layouts)
