@@ -227,46 +227,30 @@ class SizedGraphs:
         saved outputs among ``inputs`` (a backward's first inputs): their buffer at the first one's
         position, ``None`` at the others'."""
         self.handed = None
-        if saved is not None:
-            return self._call_with_saved(inputs, saved)
-        if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+        if saved is None:
+            rest = checked = inputs
+        else:  # the buffer apart: keyed by its layout (one per forward size) and the other inputs' sizes
+            flat, rest = inputs[saved.positions[0]], [inputs[i] for i in saved.rest(len(inputs))]
+            checked = [flat, *rest]
+        if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in checked):
             self.python_calls += 1
-            return self.fn(*inputs)
-        key = tuple([(t.shape, t.stride(), t.dtype) for t in inputs])
+            return self.fn(*(inputs if saved is None else saved.expand(inputs)))
+        key = tuple([(t.shape, t.stride(), t.dtype) for t in rest])
+        if saved is not None:
+            key = (saved, *key)
         graph = self.graphs.get(key)
         if graph is None:
+            full = inputs if saved is None else saved.expand(inputs)
             seen = self.seen.get(key)
             if seen is None or key in self.failed:
-                return self._from_python(key, inputs)
-            graph = self._capture(key, inputs, *seen)
+                return self._from_python(key, full)
+            graph = self._capture(key, full, *seen, saved_in=None if saved is None else (saved, flat))
             if graph is None:
-                return self._from_python(key, inputs)
+                return self._from_python(key, full)
         self.graphs.move_to_end(key)
         self.replays += 1
         if graph.saved_out is not None:
             self.handed = graph.saved_out[0]
-        return graph(inputs)
-
-    def _call_with_saved(self, inputs, layout: SavedBuffer):
-        """A backward's call whose saved inputs come in one buffer laid out as ``layout``: keyed by the
-        layout (one per forward size) and the sizes of the other inputs."""
-        rest = layout.rest(len(inputs))
-        flat = inputs[layout.positions[0]]
-        if not (flat.is_cuda and all(isinstance(inputs[i], torch.Tensor) and inputs[i].is_cuda for i in rest)):
-            self.python_calls += 1
-            return self.fn(*layout.expand(inputs))
-        key = (layout, *[(inputs[i].shape, inputs[i].stride(), inputs[i].dtype) for i in rest])
-        graph = self.graphs.get(key)
-        if graph is None:
-            seen = self.seen.get(key)
-            full = layout.expand(inputs)
-            if seen is None or key in self.failed:
-                return self._from_python(key, full)
-            graph = self._capture(key, full, *seen, saved_in=(layout, flat))
-            if graph is None:
-                return self._from_python(key, full)
-        self.graphs.move_to_end(key)
-        self.replays += 1
         return graph(inputs)
 
     def _from_python(self, key, inputs):
@@ -317,8 +301,8 @@ class SizedGraphs:
             graph = self._capture_graph(inputs, plan, out_specs, self._layout(key), saved_in)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this size runs from Python, say why
             self.failed[key] = f"{type(exc).__name__}: {exc}"
-            sizes = [list(s) for s, _, _ in key[1:]] if saved_in is not None else [list(s) for s, _, _ in key]
-            log.info("loracc: %s at sizes %s runs from Python: the capture failed (%s)", self.name, sizes, self.failed[key])
+            log.info("loracc: %s at sizes %s runs from Python: the capture failed (%s)",
+                     self.name, [list(t.shape) for t in inputs], self.failed[key])
             torch.cuda.synchronize()
             _compat.release_generators_after_failed_capture(torch.device("cuda"))
             return None
@@ -346,7 +330,7 @@ class SizedGraphs:
         specs = [(tuple(inputs[i].shape), inputs[i].stride(), inputs[i].dtype) for i in alone]
         specs += [out_specs[plan[j][1]] for j in kept]
         specs += [((b.nbytes,), (1,), torch.uint8) for b in (layout, saved_out) if b is not None]
-        views = iter(self.arena.views(specs, flat.device if flat is not None else inputs[0].device))
+        views = iter(self.arena.views(specs, inputs[0].device))
         static_inputs = [None] * len(inputs)
         for i in alone:
             static_inputs[i] = next(views)
