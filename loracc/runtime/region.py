@@ -100,11 +100,8 @@ class _RegionFunction(torch.autograd.Function):
         with _compat.autocast_off(), autotune.within_budget(ctx.budgeted):
             if isinstance(program.backward, Replayer):
                 grads = program.backward(*ctx.saved_tensors, *tangents, lease=lease)
-            elif ctx.saved_buffer is not None:
-                if isinstance(program.backward, SizedGraphs):
-                    grads = program.backward(*ctx.saved_tensors, *tangents, saved=ctx.saved_buffer)
-                else:
-                    grads = program.backward(*ctx.saved_buffer.expand(ctx.saved_tensors), *tangents)
+            elif ctx.saved_buffer is not None:  # its backward is the same program's SizedGraphs
+                grads = program.backward(*ctx.saved_tensors, *tangents, saved=ctx.saved_buffer)
             else:
                 grads = program.backward(*ctx.saved_tensors, *tangents)
         if lease is not None:
