@@ -303,7 +303,7 @@ def autocast_off():
 
 def flash_attention_varlen(query, key, value, cu_seq_lens, max_len, scale):
     """Causal flash attention over packed sequences: ``query``/``key``/``value`` ``[tokens, heads,
-    dim]`` (as many key/value heads as query heads), ``cu_seq_lens`` int32 boundaries (0, the end of
+    dim]`` (key/value heads: the query heads' or a divisor of it, grouped-query attention), ``cu_seq_lens`` int32 boundaries (0, the end of
     each sequence, ...), ``max_len`` at least the longest sequence. Differentiable (ATen's flash
     backward); CUDA only. Returns ``[tokens, heads, dim]``."""
     return torch.ops.aten._flash_attention_forward(

@@ -158,6 +158,8 @@ def test_flash_attends_each_sequence_alone_on_the_gpu_within_bf16_error():
     cu = varlen_attention.boundaries(lengths, width, "cuda")
     assert varlen_attention.flash_applies(q, 0.0, None, None)
     out, _ = varlen_attention.attention(module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)
+    flash = out.grad_fn.next_functions[0][0]  # grouped heads read as they come: keys saved with 2 heads, not 4
+    assert flash._saved_key.shape == (width, 2, 16) and flash._saved_value.shape == (width, 2, 16)
     q32, k32, v32 = (t.detach().float().requires_grad_(True) for t in (q, k, v))
     expected = _reference(q32, k32, v32, lengths + [314], 0.25)
     assert rel_err(out.float(), expected) <= 2e-2
@@ -244,3 +246,5 @@ def test_the_flash_wrapper_binds_atens_arguments_by_name():
     q = torch.empty(20, 4, 16, device="meta", dtype=torch.bfloat16)
     cu = torch.empty(17, device="meta", dtype=torch.int32)
     assert _compat.flash_attention_varlen(q, q, q, cu, 20, 0.25).shape == (20, 4, 16)
+    kv = torch.empty(20, 2, 16, device="meta", dtype=torch.bfloat16)  # grouped-query: two key/value heads
+    assert _compat.flash_attention_varlen(q, kv, kv, cu, 20, 0.25).shape == (20, 4, 16)

@@ -196,10 +196,9 @@ def _own_attention(module):
 
 
 def _flash(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float | None) -> Tensor:
-    heads, kv_heads, tokens = query.shape[1], key.shape[1], query.shape[2]
-    if kv_heads != heads:  # grouped-query attention: each key/value head serves heads // kv_heads
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    # Grouped-query attention as it comes: the kernel reads each key/value head for its group of query
+    # heads (no copy of the keys and values per query head, none saved for the backward).
+    tokens = query.shape[2]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     return _compat.flash_attention_varlen(q, k, v, cu, tokens, scaling).unsqueeze(0)
 
