@@ -303,9 +303,9 @@ def autocast_off():
 
 def flash_attention_varlen(query, key, value, cu_seq_lens, max_len, scale):
     """Causal flash attention over packed sequences: ``query``/``key``/``value`` ``[tokens, heads,
-    dim]`` (key/value heads: the query heads' or a divisor of it, grouped-query attention), ``cu_seq_lens`` int32 boundaries (0, the end of
-    each sequence, ...), ``max_len`` at least the longest sequence. Differentiable (ATen's flash
-    backward); CUDA only. Returns ``[tokens, heads, dim]``."""
+    dim]`` (as many key/value heads as query heads, or a divisor of them: grouped-query attention),
+    ``cu_seq_lens`` int32 boundaries (0, the end of each sequence, ...), ``max_len`` at least the
+    longest sequence. Differentiable (ATen's flash backward); CUDA only. Returns ``[tokens, heads, dim]``."""
     return torch.ops.aten._flash_attention_forward(
         query=query, key=key, value=value, cum_seq_q=cu_seq_lens, cum_seq_k=cu_seq_lens, max_q=max_len, max_k=max_len,
         dropout_p=0.0, is_causal=True, return_debug_mask=False, scale=scale)[0]
