@@ -336,3 +336,36 @@ def test_autotune_narrows_a_bucket_next_to_a_timed_one(monkeypatch, fake_env):
     monkeypatch.setattr(autotune, "decisions", {})
     assert autotune.choose({"op": "f", "kernel": "k", "rows": 512}, candidates, cuda) == "a"
     assert timed_sets[-1] == ["a", "b"]
+
+
+def test_autotune_takes_a_neighbours_only_close_candidate_untimed(monkeypatch, fake_env):
+    """Where only one candidate came within NEIGHBOUR_SLACK of the adjacent bucket's fastest, a new
+    bucket takes it without timing anything, remembers it on disk with the neighbour's timings, and
+    the next bucket along narrows by those (the chain of buckets a varying-length run meets)."""
+    timed_sets = []
+
+    def measure(candidates, frugal=False):
+        timed_sets.append(sorted(candidates))
+        return {"a": 2.0, "b": 1.0, "c": 2.6}
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    monkeypatch.setattr(autotune, "_chosen", {})
+    monkeypatch.setattr(autotune, "decisions", {})
+    candidates, cuda = {name: None for name in "abc"}, torch.device("cuda")
+    description = {"op": "f", "kernel": "chain", "rows": 4096}
+    assert autotune.choose(description, candidates, cuda) == "b"
+    assert autotune.choose({**description, "rows": 2048}, candidates, cuda) == "b"
+    assert autotune.choose({**description, "rows": 1024}, candidates, cuda) == "b"
+    assert timed_sets == [["a", "b", "c"]]  # 2048 and 1024 timed nothing
+    record = cache.load_choice({**description, "rows": 2048, **fake_env, "timed": autotune.TIMED})
+    assert record["choice"] == "b" and record["timings_ms"] == {}
+    assert record["neighbour_timings_ms"] == {"a": 2.0, "b": 1.0, "c": 2.6}
+    # a new process: 512 narrows by 1024's inherited timings, from the disk
+    monkeypatch.setattr(autotune, "_chosen", {})
+    monkeypatch.setattr(autotune, "decisions", {})
+    assert autotune.choose({**description, "rows": 512}, candidates, cuda) == "b" and len(timed_sets) == 1
+    # two close candidates are timed, as before
+    monkeypatch.setattr(autotune, "measure", lambda c, frugal=False: timed_sets.append(sorted(c)) or {"a": 1.0, "b": 1.1})
+    assert autotune.choose({"op": "f", "kernel": "two", "rows": 64}, {"a": None, "b": None}, cuda) == "a"
+    assert autotune.choose({"op": "f", "kernel": "two", "rows": 128}, {"a": None, "b": None}, cuda) == "a"
+    assert timed_sets[-2:] == [["a", "b"], ["a", "b"]]

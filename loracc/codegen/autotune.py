@@ -8,8 +8,10 @@ processes skip the timing. Each candidate is timed as a replayed CUDA graph wher
 captured: GPU time, what a layer replayed as a graph spends (a candidate of several small kernels
 launched from Python would otherwise be timed by its launches, not its work); it is timed as
 launched from Python where it cannot. Shapes are tuned per bucket of rows; a bucket next to one
-already timed times only the candidates that came close to that one's fastest (``_narrowed``):
-a varying-length run meets its buckets one by one, each in a step of its own.
+already timed times only the candidates that came close to that one's fastest (``_narrowed``),
+and takes the one that did without timing it where only one did: a varying-length run meets its
+buckets one by one, each in a step of its own. Each candidate runs twice, then its median over 10
+timed runs counts (docs/decisions/057-new-row-buckets-tuned-cheaper.md).
 Candidates must compute the same result (their tests check that against the reference); one that
 fails to compile or launch (too much shared memory for a config, say) is left out, with the error
 kept in the record. Under the Triton interpreter nothing is timed: the first candidate runs.
@@ -105,17 +107,24 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
     else:
         how = _timing()
         frugal = how == TIMED_WITHIN_BUDGET
-        timings = measure(_narrowed(description, candidates, device), frugal=frugal)
-        timed = {name: t for name, t in timings.items() if isinstance(t, float)}
-        if not timed:
-            raise RuntimeError(f"loracc: no implementation of {description} ran: {timings}")
-        choice, source = min(timed, key=timed.get), "timed within a byte budget" if frugal else "timed"
-        cache.store_choice(_record_key(description, device, how), choice, timings)
-        record = {"timings_ms": timings}
+        close, neighbour = _narrowed(description, candidates, device)
+        if len(close) == 1 and neighbour is not None:  # the neighbouring bucket's choice, by a margin: nothing to time
+            choice, source = next(iter(close)), f"the only candidate within {NEIGHBOUR_SLACK}x at rows {neighbour[0]}"
+            record = {"timings_ms": {}, "neighbour_timings_ms": neighbour[1]}
+            cache.store_choice(_record_key(description, device, how), choice, {}, neighbour_timings=neighbour[1])
+        else:
+            timings = measure(close, frugal=frugal)
+            timed = {name: t for name, t in timings.items() if isinstance(t, float)}
+            if not timed:
+                raise RuntimeError(f"loracc: no implementation of {description} ran: {timings}")
+            choice, source = min(timed, key=timed.get), "timed within a byte budget" if frugal else "timed"
+            cache.store_choice(_record_key(description, device, how), choice, timings)
+            record = {"timings_ms": timings}
     _chosen[memo_key] = choice
     log.info("kernel %s (rows <= %s): %s (%s)", description.get("kernel"), description.get("rows"), choice, source)
     decisions[memo_key] = {**description, "choice": choice, "source": source,
-                           "timings_ms": (record or {}).get("timings_ms", {})}
+                           "timings_ms": (record or {}).get("timings_ms", {}),
+                           "neighbour_timings_ms": (record or {}).get("neighbour_timings_ms", {})}
     return choice
 
 
@@ -124,30 +133,33 @@ def choose(description: dict, candidates: dict[str, Callable[[], object]], devic
 NEIGHBOUR_SLACK = 1.25
 
 
-def _narrowed(description: dict, candidates: dict, device: torch.device) -> dict:
+def _narrowed(description: dict, candidates: dict, device: torch.device) -> tuple[dict, tuple | None]:
     """``candidates`` less those a neighbouring bucket of rows (half or twice ``description["rows"]``,
     the same computation otherwise) timed slower than ``NEIGHBOUR_SLACK`` × its fastest; all of them
     where no neighbour was timed, in this process or in the on-disk cache. The neighbour's choice is
-    always kept, so a bucket never times fewer than one candidate."""
+    always kept, so a bucket never keeps fewer than one candidate. Also returns the neighbour's rows
+    and timings (None where no neighbour counted). A neighbour that took its only close candidate
+    untimed counts with the timings it inherited, so a run of buckets met one by one narrows each."""
     rows = description.get("rows")
     if not isinstance(rows, int) or isinstance(rows, bool):
-        return candidates
+        return candidates, None
     for other in (rows * 2, rows // 2):
         neighbour = {**description, "rows": other}
         done = decisions.get(_memo_key(neighbour))
-        timings = done["timings_ms"] if done and done.get("source", "").startswith("timed") else None
-        if timings is None:
+        if done and (done.get("source", "").startswith("timed") or done.get("neighbour_timings_ms")):
+            timings = done["timings_ms"] or done.get("neighbour_timings_ms")
+        else:
             record = _load_record(neighbour, device)
-            timings = record and record.get("timings_ms")
+            timings = record and (record.get("timings_ms") or record.get("neighbour_timings_ms"))
         timed = {name: t for name, t in (timings or {}).items() if isinstance(t, float) and name in candidates}
         if timed:
             fastest = min(timed.values())
-            return {name: fn for name, fn in candidates.items()
-                    if name in timed and timed[name] <= NEIGHBOUR_SLACK * fastest}
-    return candidates
+            return ({name: fn for name, fn in candidates.items()
+                     if name in timed and timed[name] <= NEIGHBOUR_SLACK * fastest}, (other, timed))
+    return candidates, None
 
 
-def measure(candidates: dict[str, Callable[[], object]], reps: int = 25, frugal: bool = False) -> dict[str, float | str]:
+def measure(candidates: dict[str, Callable[[], object]], reps: int = 10, frugal: bool = False) -> dict[str, float | str]:
     """Median milliseconds of each candidate (CUDA events, L2 flushed before each run), or why it could not run.
 
     The flush buffer is the size of the GPU's L2 cache, no more: autotuning happens inside the first
@@ -161,17 +173,18 @@ def measure(candidates: dict[str, Callable[[], object]], reps: int = 25, frugal:
     timings: dict[str, float | str] = {}
     for name, fn in candidates.items():
         try:
-            for _ in range(3):  # compiles on the first call; a config that cannot run raises here
+            for _ in range(2):  # compiles on the first call; a config that cannot run raises here
                 fn()
             graph = None if frugal else _captured(fn)
             run = fn if graph is None else graph.replay
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            stream = torch.cuda.current_stream(device)  # given to each record: no lookup per event
             for start, end in events:
                 if flush is not None:
                     flush.zero_()
-                start.record()
+                start.record(stream)
                 run()
-                end.record()
+                end.record(stream)
             torch.cuda.synchronize()
             timings[name] = statistics.median(start.elapsed_time(end) for start, end in events)
             del graph, run

@@ -125,6 +125,10 @@ def load_choice(description: dict) -> dict | None:
     return None
 
 
-def store_choice(description: dict, choice: str, timings: dict) -> None:
+def store_choice(description: dict, choice: str, timings: dict, neighbour_timings: dict | None = None) -> None:
+    """Remember the autotuner's ``choice`` for ``description``, with the ``timings`` it was chosen by,
+    or, for a choice taken untimed from a neighbouring bucket, that bucket's ``neighbour_timings``."""
     record = {"description": description, "choice": choice, "timings_ms": timings}
+    if neighbour_timings:
+        record["neighbour_timings_ms"] = neighbour_timings
     atomic_write(autotune_path(description), json.dumps(record, indent=1))
