@@ -207,10 +207,10 @@ class _FakeGraphed:
 
     captured = []
 
-    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None, side=None, together=0):
+    def __init__(self, fn, inputs, pool=None, in_place=(), lend_from=None, side=None, together=0, warm_up=True):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
-        self.fn, self.pool, self.replays, self.inputs = fn, pool, 0, inputs
+        self.fn, self.pool, self.replays, self.inputs, self.warm_up = fn, pool, 0, inputs, warm_up
         self.addresses = tuple(t.data_ptr() for t in inputs)
         self.seq = self.last_replay = 0
         self.in_place, self.lend_from = tuple(in_place), lend_from
@@ -727,6 +727,9 @@ def test_every_graph_of_a_pool_copies_its_inputs_into_the_same_buffers(fake_capt
     forwards = [g for g in _FakeGraphed.captured if g.fn.__name__ == "fwd"]
     backwards = [g for g in _FakeGraphed.captured if g.fn.__name__ == "bwd"]
     assert len(forwards) >= len(weights) and len(backwards) >= len(weights)
+    # each stage's first capture warms its stream up; the layers after it were run at these sizes already
+    assert [g.warm_up for g in forwards] == [True] + [False] * (len(forwards) - 1)
+    assert [g.warm_up for g in backwards] == [True] + [False] * (len(backwards) - 1)
     buffers = {id(t) for g in forwards + backwards for t, keep in zip(g.inputs, g.in_place) if not keep}
     assert len(buffers) == 1  # each graph copies one input (x), all into one buffer
     two = pool.copy_buffers([x, x.clone(), torch.randn(2)], [False, False, True])

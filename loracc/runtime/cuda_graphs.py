@@ -157,7 +157,13 @@ class Graphed:
     one allocation per dtype (``sized_graphs.pack_plan``)."""
 
     def __init__(self, fn, static_inputs: list[torch.Tensor], pool=None, in_place: tuple[bool, ...] = (),
-                 lend_from: int | None = None, side: torch.cuda.Stream | None = None, together: int = 0):
+                 lend_from: int | None = None, side: torch.cuda.Stream | None = None, together: int = 0,
+                 warm_up: bool = True):
+        """Captures on ``side`` (a new stream if None). ``warm_up``: run ``fn`` once there first, as a
+        capture on a stream that ``fn`` has not run on requires (what initialises lazily: cuBLAS's
+        workspace for the stream); ``False`` where ``fn`` already ran at these sizes and a capture of it
+        already ran on ``side``. Unlike ``torch.cuda.graph``, no device synchronisation and no
+        ``empty_cache`` before the capture (both cost every capture milliseconds)."""
         self.static_inputs = static_inputs
         self.in_place = tuple(in_place) + (False,) * (len(static_inputs) - len(in_place))
         self.seq, self.last_replay = 0, 0
@@ -165,18 +171,26 @@ class Graphed:
         side = side if side is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            outputs = list(fn(*self.static_inputs))  # warm-up, as capture requires (fn never writes its inputs)
+            if warm_up:
+                fn(*self.static_inputs)  # fn never writes its inputs
+            # thread_local: a CUDA call another thread makes meanwhile (a kernel compiled in the background
+            # loading) is not this capture's.
+            self.graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+            try:
+                outputs = list(fn(*self.static_inputs))
+                self.lend_from = len(outputs) if lend_from is None else lend_from  # None: lends nothing
+                check_lent(self.static_inputs, outputs, self.in_place, self.lend_from)
+                self.routes = routes(self.static_inputs, outputs, self.in_place, self.lend_from)
+                for j, k in self.routes.items():  # last: every read of the input buffer comes before
+                    outputs[j] = self.static_inputs[k].copy_(outputs[j])
+            except BaseException:
+                try:
+                    self.graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is invalid already; the first error says why
+                    pass
+                raise
+            self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
-        self.lend_from = len(outputs) if lend_from is None else lend_from  # None: lends nothing
-        check_lent(self.static_inputs, outputs, self.in_place, self.lend_from)
-        self.routes = routes(self.static_inputs, outputs, self.in_place, self.lend_from)
-        del outputs
-        # thread_local: a CUDA call another thread makes meanwhile (a kernel compiled in the background
-        # loading) is not this capture's.
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            outputs = list(fn(*self.static_inputs))
-            for j, k in self.routes.items():  # last: every read of the input buffer comes before
-                outputs[j] = self.static_inputs[k].copy_(outputs[j])
         self.static_outputs = outputs
         self.addresses = tuple(t.data_ptr() for t in self.static_inputs)  # what the graph reads
         self.read_in_place = [(i, a) for i, (keep, a) in enumerate(zip(self.in_place, self.addresses)) if keep]
@@ -296,6 +310,7 @@ class Replayer:
         self.fixed_inputs, self.lend_from, self.max_captures, self.layers = fixed_inputs, lend_from, max_captures, layers
         self.together = together
         self.calls = self.captures = 0
+        self._warmed = False  # whether a capture of fn ran (on the pool's side stream): later ones skip the warm-up
         self.kept = False
         self.layer_graphs: dict = {} if after is None else weakref.WeakKeyDictionary()  # by weights / by forward graph
         self.copy_graph: Graphed | None = None
@@ -485,7 +500,8 @@ class Replayer:
         try:
             graphed = Graphed(self.fn, static, self.pool.handle(), in_place=in_place,
                               lend_from=self.lend_from if key is not None else None, side=self.pool.warm_up_stream(),
-                              together=self.together)
+                              together=self.together, warm_up=not self._warmed)
+            self._warmed = True
         except Exception as exc:  # noqa: BLE001 - any capture failure: stay in Python, say why
             self.failed = f"{type(exc).__name__}: {exc}"
             _compat.release_generators_after_failed_capture(torch.device("cuda"))
