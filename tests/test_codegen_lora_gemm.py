@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from conftest import rel_err  # noqa: E402
 from loracc.codegen import autotune, lora_gemm_tma, lora_linear  # noqa: E402
-from loracc.codegen.lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, LoraGemm  # noqa: E402
+from loracc.codegen.lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, NARROW, WIDE, WIDE_DEEP, LoraGemm, gpu_configs  # noqa: E402
 from loracc.codegen.triton_backend import available  # noqa: E402
 from loracc.ir.ops import lora_linear as reference_forward  # noqa: E402
 from loracc.ir.ops import lora_linear_backward as reference_backward  # noqa: E402
@@ -33,7 +33,9 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.fl
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 TRITON = f"triton {CONFIGS[0]}"
 TMA = f"tma {(lora_gemm_tma.GPU_CONFIGS if DEVICE.type == 'cuda' else lora_gemm_tma.INTERPRETER_CONFIGS)[0]}"
-T, IN, OUT = 37, 48, 40  # rows, in_features, out_features: no multiple of any tile
+# rows, in_features, out_features: no multiple of any tile; on a GPU wide enough (over 128) that
+# every tile and the TMA kernel are candidates (``gpu_configs``)
+T, IN, OUT = (37, 200, 136) if DEVICE.type == "cuda" else (37, 48, 40)
 
 
 def randn(*shape, dtype=torch.float32):
@@ -162,7 +164,29 @@ def test_unaligned_rows_are_left_to_cublas():
     aligned, unaligned = LoraGemm("forward", 48, 40, 4, torch.bfloat16), LoraGemm("forward", 48, 36, 4, torch.bfloat16)
     assert aligned.rows_aligned and not unaligned.rows_aligned
     assert lora_linear._template_impls(unaligned, print) == {}
-    assert len(lora_linear._template_impls(aligned, print)) == len(CONFIGS if DEVICE.type == "cpu" else GPU_CONFIGS)
+    assert len(lora_linear._template_impls(aligned, print)) == len(CONFIGS if DEVICE.type == "cpu" else gpu_configs(40))
+
+
+def test_gpu_tiles_are_tried_by_the_outputs_width(monkeypatch):
+    """On a GPU a template tile is a candidate only at output widths where it won or came close
+    (decision 058): a k/v projection's 128 columns get the narrow tile alone and no TMA kernel; a
+    512-wide output both 256-wide tiles; a wide layer the 3-stage wide tile and the TMA kernel. The
+    input gradient's width is the layer's in_features."""
+    monkeypatch.setattr(lora_linear, "interpreting", lambda: False)
+
+    def tried(use, in_features, out_features, dtype=torch.bfloat16):
+        gemm = LoraGemm(use, in_features, out_features, 16, dtype)
+        tma = lora_gemm_tma.TmaLoraGemm(use, in_features, out_features, 16, dtype)
+        return [str(c) for c in lora_linear._template_configs(gemm)], [str(c) for c in lora_linear._tma_configs(tma)]
+
+    wide_tma = [str(c) for c in lora_gemm_tma.GPU_CONFIGS]
+    assert tried("forward", 896, 128) == ([str(NARROW)], [])
+    assert tried("forward", 896, 200) == ([str(WIDE), str(WIDE_DEEP), str(NARROW)], wide_tma)
+    assert tried("forward", 2048, 512) == ([str(WIDE), str(WIDE_DEEP)], wide_tma)
+    assert tried("forward", 896, 4864) == ([str(WIDE)], wide_tma)
+    assert tried("grad_input", 896, 128) == ([str(WIDE)], wide_tma)  # 896 columns; the template at K <= 512
+    assert tried("grad_input", 128, 896) == ([], [])  # K = 896: cuBLAS, and the output 128 wide
+    assert tried("grad_input", 896, 896, torch.float32) == ([str(WIDE)], wide_tma)
 
 
 def test_16_bit_input_gradients_are_offered_the_template(monkeypatch):

@@ -49,12 +49,25 @@ class Config:
 # Candidates for the autotuner on a GPU. Every config costs a Triton compile per shape on the
 # first step, so the set is the wide tiles that won where measured plus one narrow tile for small N
 # (k/v projections of grouped-query attention); cuBLAS is always a candidate besides
-# (docs/decisions/004-autotune-candidates.md).
-GPU_CONFIGS = (
-    Config(128, 256, 64, 8, 8, 3),
-    Config(128, 256, 64, 8, 8, 4),
-    Config(128, 64, 64, 8, 4, 4),
-)
+# (docs/decisions/004-autotune-candidates.md). ``gpu_configs`` says which are tried at a width.
+WIDE, WIDE_DEEP, NARROW = Config(128, 256, 64, 8, 8, 3), Config(128, 256, 64, 8, 8, 4), Config(128, 64, 64, 8, 4, 4)
+GPU_CONFIGS = (WIDE, WIDE_DEEP, NARROW)
+
+
+def gpu_configs(columns: int) -> tuple[Config, ...]:
+    """The template tiles the autotuner tries on a GPU for a GEMM whose output has ``columns``
+    columns (N). Each is compiled in a cold first step, so a tile is tried only at the widths where
+    it won or came within a few percent (docs/decisions/058-candidates-by-output-width.md): the narrow
+    tile up to 256 columns (it lost by 1.26-2.05× from 512 on), the 256-wide tiles above 128 (a tile
+    at least twice as wide as the output lost by 1.35-1.47× to the narrow one), the 4-stage wide tile
+    up to 512 (it won by 5% at 512 and was within 2% of the 3-stage one from 896 on)."""
+    if columns <= 128:
+        return (NARROW,)
+    if columns <= 256:
+        return GPU_CONFIGS
+    if columns <= 512:
+        return (WIDE, WIDE_DEEP)
+    return (WIDE,)
 # Under the interpreter (CPU tests) each program costs about the same whatever its tile: the first
 # config covers a small layer in few programs, the second makes many; test sizes are multiples of neither.
 INTERPRETER_CONFIGS = (Config(32, 64, 32, 2, 1, 1), Config(16, 16, 16, 2, 1, 1))
@@ -94,6 +107,11 @@ class LoraGemm:
         assert self.lora_in in ("fused", "loaded") and self.lora_out in ("add", "separate")
         assert self.use == "forward" or (self.lora_in == "fused" and not self.has_bias)
         assert self.use == "grad_input" or self.lora_out == "add"
+
+    @property
+    def columns(self) -> int:
+        """The output's columns (the GEMM's N): out_features for the forward, in_features for dX."""
+        return self.out_features if self.use == "forward" else self.in_features
 
     @property
     def name(self) -> str:

@@ -26,8 +26,14 @@ from .render import render
 Tensor = torch.Tensor
 
 # One tile: it was the fastest for both uses wherever it was timed, and a narrower one never won
-# (docs/decisions/004-autotune-candidates.md).
+# (docs/decisions/004-autotune-candidates.md); not tried where the output is at most 128 columns
+# wide, where it lost by 2.1-2.2× (``gpu_configs``, docs/decisions/058-candidates-by-output-width.md).
 GPU_CONFIGS = (Config(128, 256, 64, 8, 8, 3),)
+
+
+def gpu_configs(columns: int) -> tuple[Config, ...]:
+    """The tiles the autotuner tries on a GPU for an output of ``columns`` columns (N)."""
+    return () if columns <= 128 else GPU_CONFIGS
 # Under the interpreter: tiles that divide none of the test sizes, few "multiprocessors", so that
 # each program walks several tiles.
 INTERPRETER_CONFIGS = (Config(32, 64, 32, 2, 1, 1),)
@@ -47,6 +53,11 @@ class TmaLoraGemm:
 
     def __post_init__(self):
         assert self.use in ("forward", "grad_input") and (self.use == "forward" or not self.has_bias)
+
+    @property
+    def columns(self) -> int:
+        """The output's columns (the GEMM's N): out_features for the forward, in_features for dX."""
+        return self.out_features if self.use == "forward" else self.in_features
 
     @property
     def name(self) -> str:

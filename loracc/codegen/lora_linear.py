@@ -37,7 +37,7 @@ from ..ir.ops import or_empty
 from . import autotune
 from . import lora_gemm_tma
 from . import lora_grads
-from .lora_gemm import GPU_CONFIGS, INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm
+from .lora_gemm import INTERPRETER_CONFIGS, KERNEL_DTYPES, MAX_RANK, LoraGemm, gpu_configs
 from .lora_gemm_tma import TmaLoraGemm
 from .lora_grads import LoraGrads
 
@@ -129,8 +129,8 @@ def _template_configs(gemm: LoraGemm | None) -> tuple:
     if interpreting():
         return INTERPRETER_CONFIGS
     if gemm.use == "grad_input" and gemm.dtype != torch.float32:
-        return GPU_CONFIGS[:1] if gemm.out_features <= GRAD_INPUT_16BIT_MAX_K else ()
-    return GPU_CONFIGS
+        return gpu_configs(gemm.columns)[:1] if gemm.out_features <= GRAD_INPUT_16BIT_MAX_K else ()
+    return gpu_configs(gemm.columns)
 
 
 def _template_impls(gemm: LoraGemm | None, run) -> dict[str, Callable]:
@@ -152,7 +152,7 @@ def _tma_gemm(gemm: LoraGemm | None, device: torch.device) -> TmaLoraGemm | None
 def _tma_configs(tma: TmaLoraGemm | None) -> tuple:
     if tma is None:
         return ()
-    return lora_gemm_tma.INTERPRETER_CONFIGS if interpreting() else lora_gemm_tma.GPU_CONFIGS
+    return lora_gemm_tma.INTERPRETER_CONFIGS if interpreting() else lora_gemm_tma.gpu_configs(tma.columns)
 
 
 def _tma_impls(tma: TmaLoraGemm | None, run) -> dict[str, Callable]:
