@@ -29,10 +29,13 @@ and ``host_ms`` (until the step's Python call returned: the host's cost, which a
 plan or kernel compile would add to); ``new_shape_host_ms_median`` / ``_max``: the host cost of steps
 whose shape is new, after the first ``SETTLED`` distinct shapes (the first calls may compile on
 purpose); ``seen_shape_host_ms_median``: the same for steps whose shape ran before; the padding's
-share, the distinct shapes, peak memory and every step's loss.
+share, the distinct shapes, peak memory and every step's loss; ``gc_ms_all``, the time each step spent
+in Python's cyclic garbage collector, and ``gc_full_collections``, how many of its collections were
+full (generation 2).
 """
 from __future__ import annotations
 
+import gc
 import math
 import random
 import statistics
@@ -138,9 +141,11 @@ def train(model, peft_model, method: str, workload: str, device: str, progress) 
     optimizer = make_optimizer(method, params, device)
     cuda = device == "cuda"
     moved = [{k: v.to(device) for k, v in b.items() if k != "real_tokens"} for b in plan]
-    losses, step_ms, host_ms = [], [], []
+    losses, step_ms, host_ms, gc_ms = [], [], [], []
+    collector = _CollectorTime()
 
     def step(inputs):
+        collector.spent = 0.0
         begin = time.perf_counter()
         loss = model(**inputs, use_cache=False).loss
         loss.backward()
@@ -150,6 +155,7 @@ def train(model, peft_model, method: str, workload: str, device: str, progress) 
         host_ms.append((time.perf_counter() - begin) * 1e3)
         harness.sync(cuda)
         step_ms.append((time.perf_counter() - begin) * 1e3)
+        gc_ms.append(collector.spent * 1e3)
 
     half = len(plan) // 2
     harness.reset_peak(cuda)
@@ -164,6 +170,7 @@ def train(model, peft_model, method: str, workload: str, device: str, progress) 
             middle = time.perf_counter()
         step(inputs)
     end = time.perf_counter()
+    collector.close()
     wall_s = end - start
     real = [b["real_tokens"] for b in plan]
     in_tensors = sum(b["input_ids"].numel() for b in plan)
@@ -183,10 +190,30 @@ def train(model, peft_model, method: str, workload: str, device: str, progress) 
         new_shape_host_ms_median=statistics.median(new_after) if new_after else None,
         new_shape_host_ms_max=max(new_after) if new_after else None,
         seen_shape_host_ms_median=statistics.median(seen_again) if seen_again else None,
-        step_ms_all=step_ms, host_ms_all=host_ms, shapes=[list(s) for s in steps_shapes],
+        step_ms_all=step_ms, host_ms_all=host_ms, gc_ms_all=gc_ms, gc_full_collections=collector.full, shapes=[list(s) for s in steps_shapes],
         losses=[float(x) for x in losses],
         peak_memory_bytes=harness.peak_bytes(cuda), peak_reserved_bytes=harness.reserved_bytes(cuda),
         torch_compile_graphs=_dynamo_graphs() if method.startswith("peft-compile") else None)
+
+
+class _CollectorTime:
+    """Python's cyclic garbage collector timed while it is installed: ``spent`` (seconds since last
+    reset) and ``full``, the number of generation-2 collections."""
+
+    def __init__(self):
+        self.spent, self.full, self._began = 0.0, 0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.spent += time.perf_counter() - self._began
+            self.full += info.get("generation") == 2
+            self._began = None
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _dynamo_graphs() -> int | None:

@@ -479,6 +479,7 @@ def test_tiny_varlen_end_to_end(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["real_tokens"] / r["wall_s_run"])
         assert r["wall_s_run"] >= sum(r["step_ms_all"]) / 1e3 * 0.99 and r["first_step_s"] > 0
         assert all(h <= s for h, s in zip(r["host_ms_all"], r["step_ms_all"]))
+        assert len(r["gc_ms_all"]) == r["steps"] and all(0 <= g <= s for g, s in zip(r["gc_ms_all"], r["step_ms_all"]))
     assert rows["loracc", "tiny-varlen"]["distinct_shapes"] > varlen.SETTLED  # some new shapes after settling
     assert rows["loracc", "tiny-varlen"]["new_shape_host_ms_max"] is not None
     for workload in ("tiny-varlen", "tiny-packed"):
