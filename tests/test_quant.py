@@ -529,8 +529,9 @@ def test_fp8_tiled_decode_equals_the_expanded_one():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("source", [
     pytest.param("loracc.quantize", marks=pytest.mark.xfail(strict=False, reason=(
-        "open: on the H100 a compiled NF4 model's bf16 LoRA gradients were further from the fp32 decode "
-        "than twice eager's own bf16 error (eager: 1.4e-2 relative); not yet diagnosed"))),
+        "open: on the H100 a compiled NF4 model's bf16 LoRA gradients are in some processes further from the "
+        "fp32 decode than twice eager's own bf16 error and within it in others, the same code on one machine "
+        "(the autotuner's timed kernel choices can differ between processes); the cause is not yet found"))),
     "bitsandbytes"])
 def test_gpu_nf4_compiled_matches_eager_in_bf16(source):
     """bf16 on the GPU, Triton backend: the compiled step against the same quantized model run
