@@ -32,17 +32,32 @@ BF16_TOL = 2e-2
 def with_bf16_rounded_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (a copy to keep) whose input embeddings' output is rounded to bf16 and back: a
     perturbation of the size of one bf16 rounding. Run under bf16 autocast it is a second, equally
-    legitimate, 16-bit run of eager PEFT (``assert_within_eager_bf16_error``'s control)."""
-    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.to(torch.bfloat16).to(out.dtype))
+    legitimate, 16-bit run of eager PEFT (``assert_within_eager_bf16_error``'s control). Where the
+    embeddings are bf16 already (a bf16 model), each non-zero output moves one unit in the last place
+    up, down or not at all instead, at random (a fixed generator, a new draw at each call): a
+    perturbation of the same size."""
+    generators = {}
+
+    def hook(module, args, out):
+        if out.dtype != torch.bfloat16:
+            return out.to(torch.bfloat16).to(out.dtype)
+        generator = generators.setdefault(out.device, torch.Generator(out.device).manual_seed(0))
+        step = torch.randint(-1, 2, out.shape, generator=generator, device=out.device, dtype=torch.int16)
+        step = torch.where(out == 0, 0, step)  # ±0 stay: their bit patterns have no neighbour of the same sign
+        moved = (out.detach().view(torch.int16) + step).view(torch.bfloat16)  # sign and magnitude: ±1 is one ulp
+        return out + (moved - out.detach())  # exact: a gradient flows as through the output itself
+
+    model.get_input_embeddings().register_forward_hook(hook)
     return model
 
 
-def bf16_run(reference, eager, control, compiled, batch) -> tuple:
+def bf16_run(reference, eager, control, compiled, batch, autocast: bool = True) -> tuple:
     """One batch through the four models ``assert_within_eager_bf16_error`` compares (the fp32
-    reference, then eager, control and compiled under bf16 autocast on CUDA): their
-    ``(loss, LoRA gradients by name)`` (those that got one), gradients cleared after."""
+    reference, then eager, control and compiled, under bf16 autocast on CUDA unless ``autocast`` is
+    False: models in bf16 themselves): their ``(loss, LoRA gradients by name)`` (those that got one),
+    gradients cleared after."""
     results = []
-    for model, autocast in ((reference, False), (eager, True), (control, True), (compiled, True)):
+    for model, autocast in ((reference, False), (eager, autocast), (control, autocast), (compiled, autocast)):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(**batch).loss
         loss.backward()

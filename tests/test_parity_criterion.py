@@ -36,3 +36,24 @@ def test_a_wrong_gradient_or_a_larger_error_fails(loracc_noise, flip):
     geometric mean's); four times; a hundred percent."""
     with pytest.raises(AssertionError):
         assert_within_eager_bf16_error(_runs(loracc_noise, flip))
+
+
+def test_the_control_of_a_bf16_model_moves_its_embeddings_by_one_rounding():
+    """A bf16 model's control (``with_bf16_rounded_embeddings``): each embedding output at most one
+    unit in the last place away, a large share of them moved, a different draw at each call."""
+    from conftest import with_bf16_rounded_embeddings
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(50, 64, dtype=torch.bfloat16)
+    model.get_input_embeddings = lambda: model.embed
+    ids = torch.randint(0, 50, (3, 17))
+    plain = model.embed(ids)
+    with_bf16_rounded_embeddings(model)
+    first, second = model.embed(ids), model.embed(ids)
+    ulp = torch.finfo(torch.bfloat16).eps * plain.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    moved = (first.float() - plain.float()).abs()
+    assert first.dtype == torch.bfloat16
+    assert (moved <= ulp * 1.0001).all()
+    assert 0.5 < (moved > 0).float().mean().item() < 0.8
+    assert not torch.equal(first, second)
