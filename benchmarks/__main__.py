@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "first-call": ("first_call_host", "host time of loracc's first training call, by pipeline stage"),
     "warm-start": ("warm_start", "host time of a warm first step (SDXL-structured UNet on the CPU), by pipeline stage"),
     "parity": ("parity_gpu", "GPU parity of loracc against eager PEFT in bf16"),
+    "graph-rebase": ("graph_rebase_probe", "probe: a captured CUDA graph instantiated again over other tensors by rewriting its nodes' pointers"),
     "profile": ("profile_step", "torch.profiler / cProfile over training steps, or the cold first step"),
     "optimizer": ("optimizer", "loracc.FusedAdamW's step against torch's AdamW"),
     "report": ("report", "Markdown tables and plots from step records"),

@@ -2,7 +2,7 @@
 # The GPU checks and measurements to run after a change, each part in one device call of at most
 # ~10 minutes on an H100:
 #
-#   [LIMIT=seconds] [TESTS=...] [ROUNDS=2] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-loracc|varlen-breakdown|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora] ...   (several parts run in order)
+#   [LIMIT=seconds] [TESTS=...] [ROUNDS=2] bash benchmarks/gpu_check.sh [tests|steps|kernels|quick|varlen|varlen-loracc|varlen-breakdown|varlen-compile|varlen-dynamic|varlen-compile-packed|moe|nf4|sdxl|flux|lora|rebase] ...   (several parts run in order)
 #
 # tests: the tests that only say something on a GPU (bf16 kernels compiled, CUDA graphs, fp16,
 #        trainers and dropout on the GPU); TESTS="tests/a.py tests/b.py" runs a subset; ROUNDS=2 runs
@@ -22,6 +22,8 @@
 # moe, nf4, sdxl, flux: the Qwen3-MoE-shaped, Llama-3-8B NF4-base (PEFT + bitsandbytes, eager PEFT over
 #        loracc's NF4 layers, loracc with and without an 8GB budget; and loracc on the bf16 base), SDXL
 #        UNet 1024² and Flux-dev-shaped (3+6 blocks) step rows; each part under ~10 minutes.
+# rebase: `python -m benchmarks graph-rebase` (whether a captured graph runs over other tensors once
+#        its nodes' pointers are rewritten, case by case; seconds).
 # Results go under $OUT (default ./gpu-check-out). Liger's wheel is installed from .whl/ when it is
 # there (carry it to the GPU machine); it must go through `python -m pip`, the interpreter the
 # benchmark workers run.
@@ -95,6 +97,8 @@ for part in "${@:-tests}"; do
         BENCH_GIT_COMMIT=$commit timeout $limit python -m benchmarks step $what --no-warm --timeout $((limit - 90)) \
             --deadline $((limit - 20)) \
             --out "$OUT/$part.json" 2>&1 | grep -A30 "^summary" ;;
+    rebase)
+        timeout 120 python -m benchmarks graph-rebase --out "$OUT/graph-rebase.json" 2>&1 | grep -v Warn | tail -40 ;;
     lora)
         BENCH_GIT_COMMIT=$commit timeout 330 python -m benchmarks lora-linear --out "$OUT/lora-linear" 2>&1 | grep -v Warn | tail -24 ;;
     *)

@@ -723,3 +723,15 @@ def test_real_shapes_of_the_other_workloads():
         flux = diffusers.FluxTransformer2DModel(**diffusion.FLUX_DEV)
     assert count(unet) == pytest.approx(2.567e9, rel=5e-3)  # SDXL base's UNet: 2.57B parameters
     assert count(flux) == pytest.approx(11.9e9, rel=1e-2)  # FLUX.1-dev: 12B parameters
+
+
+def test_graph_rebase_probe_says_what_it_needs_without_a_gpu(capsys):
+    """The probe needs a CUDA GPU and its driver; elsewhere it says so and exits with status 2."""
+    import torch
+
+    from benchmarks import graph_rebase_probe
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe runs (gpu_check.sh rebase)")
+    assert graph_rebase_probe.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
