@@ -18,7 +18,9 @@ with those words moved to a second set of inputs and fresh outputs, replays it, 
 outputs with ``fn`` run eagerly on the second set (bit for bit, and their relative error: the
 adapter-gradient kernel's atomic sums differ in their last bits from run to run). It records per case: nodes by type,
 the words moved, kernels whose parameters come packed in ``extra`` (not handled), the host time to
-instantiate and rewrite one copy, and whether the outputs match.
+instantiate and rewrite one copy, and whether the outputs match; for loracc's own layer stages also
+the device and host time of a call the way the sized graphs run it (inputs copied in, a replay,
+outputs copied out) against a launch of the rebased copy.
 
     python -m benchmarks graph-rebase [--out probe.json]
 
@@ -226,12 +228,40 @@ def _tensors(values) -> list:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def probe(driver: Driver, name: str, fn, static: list, other: list) -> dict:
+def _timing(driver: Driver, graph, exec_: int, inputs: list, other: list, outputs: list, reps: int = 20) -> dict:
+    """Device and host ms a call of the two ways to run ``other`` through the graph: as the sized graphs
+    do (every input copied into the captured ones in one multi-tensor copy, a replay, every output
+    copied out) and as the rebased instance does (a launch)."""
+    stream = torch.cuda.current_stream()
+    result = {}
+    for way in ("copies and replay", "rebased launch"):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
+        start.record()
+        for _ in range(reps):
+            if way == "copies and replay":
+                torch._foreach_copy_(inputs, other)
+                graph.replay()
+                kept = [o.clone() for o in outputs]
+            else:
+                driver("cuGraphLaunch", ctypes.c_void_p(exec_), ctypes.c_void_p(stream.cuda_stream))
+        end.record()
+        host = time.perf_counter() - began
+        torch.cuda.synchronize()
+        result[way] = {"device_ms": round(start.elapsed_time(end) / reps, 4), "host_ms": round(1e3 * host / reps, 4)}
+    del kept
+    result["bytes_copied_in"] = sum(t.numel() * t.element_size() for t in inputs)
+    result["bytes_copied_out"] = sum(t.numel() * t.element_size() for t in outputs)
+    return result
+
+
+def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool = False) -> dict:
     """Capture ``fn(*static)``, run a rebased copy on ``other``, compare with ``fn(*other)``.
 
     ``static``, ``other``: the same arguments at two places (tensors of equal layouts, other values
     equal). Outputs that are views of an input are left out of the comparison (the graph does not
-    write them)."""
+    write them). ``timed``: also time both ways of running ``other`` (``_timing``)."""
     report = {"case": name, "nodes": {}, "words_moved": 0, "kernels_moved": set(), "kernels_with_packed_extra": []}
     try:
         for a, b in zip(static, other):
@@ -270,6 +300,8 @@ def probe(driver: Driver, name: str, fn, static: list, other: list) -> dict:
         torch.cuda.synchronize()
         again = [_tensors(fn(*static))[i] for i in written]
         report["original_relative_error"] = max((_rel_err(o, a) for o, a in zip(outputs, again)), default=0.0)
+        if timed:
+            report["timing"] = _timing(driver, graph, exec_, inputs, [t for t in other if isinstance(t, torch.Tensor)], outputs)
         driver("cuGraphExecDestroy", ctypes.c_void_p(exec_))
     except Exception as exc:  # noqa: BLE001 - a probe: say what failed, go on with the next case
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -399,7 +431,7 @@ def layer_cases():
             raise RuntimeError(f"loracc layer {stage}: {len(recorded)} sized-graph calls recorded in a step, not 2 "
                                "(the padded batch did not run the symbolic program's sized graphs)")
         (fn, first), (_, second) = recorded
-        yield f"loracc Qwen2-0.5B layer, {stage} stage (a packed row of {sum(lengths)} tokens)", fn, first, second
+        yield f"loracc Qwen2-0.5B layer, {stage} stage (a packed row of {sum(lengths)} tokens)", fn, first, second, True
 
 
 def main(argv=None) -> int:
@@ -421,14 +453,14 @@ def main(argv=None) -> int:
     reports, generator = [], cases()
     while True:  # each report printed as it comes: a crash of the driver still leaves the earlier ones
         try:
-            name, fn, static, other = next(generator)
+            name, fn, static, other, *timed = next(generator)
         except StopIteration:
             break
         except Exception as exc:  # noqa: BLE001 - the cases after it cannot be set up
             report = {"case": "setting up the next case", "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=6)}
         else:
-            report = probe(driver, name, fn, static, other)
+            report = probe(driver, name, fn, static, other, timed=bool(timed))
         reports.append(report)
         print(json.dumps({k: v for k, v in report.items() if k != "traceback"}), flush=True)
         if "traceback" in report:
