@@ -38,6 +38,8 @@ import traceback
 
 import torch
 
+from loracc.runtime.verify import relative_error
+
 # CUgraphNodeType (cuda.h)
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
               7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free",
@@ -216,13 +218,6 @@ def _like_in_new_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return twins
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm()) if b.norm() else float((a - b).norm())
-
-
 def _tensors(values) -> list:
     values = list(values) if isinstance(values, (tuple, list)) else [values]
     return [v for v in values if isinstance(v, torch.Tensor)]
@@ -294,12 +289,12 @@ def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool 
         torch.cuda.synchronize()
         expected = [_tensors(fn(*other))[i] for i in written]
         report["outputs_equal"] = [bool(torch.equal(f, e)) for f, e in zip(fresh, expected)]
-        report["relative_error"] = [_rel_err(f, e) for f, e in zip(fresh, expected)]
+        report["relative_error"] = [relative_error(f, e) for f, e in zip(fresh, expected)]
         report["candidates"] = sorted(getattr(fn, "chosen", ()))
         graph.replay()  # the original instance still reads the static tensors and writes its own outputs
         torch.cuda.synchronize()
         again = [_tensors(fn(*static))[i] for i in written]
-        report["original_relative_error"] = max((_rel_err(o, a) for o, a in zip(outputs, again)), default=0.0)
+        report["original_relative_error"] = max((relative_error(o, a) for o, a in zip(outputs, again)), default=0.0)
         if timed:
             report["timing"] = _timing(driver, graph, exec_, inputs, [t for t in other if isinstance(t, torch.Tensor)], outputs)
         driver("cuGraphExecDestroy", ctypes.c_void_p(exec_))

@@ -41,7 +41,9 @@ def with_bf16_rounded_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     def hook(module, args, out):
         if out.dtype != torch.bfloat16:
             return out.to(torch.bfloat16).to(out.dtype)
-        generator = generators.setdefault(out.device, torch.Generator(out.device).manual_seed(0))
+        generator = generators.get(out.device)
+        if generator is None:
+            generator = generators[out.device] = torch.Generator(out.device).manual_seed(0)
         step = torch.randint(-1, 2, out.shape, generator=generator, device=out.device, dtype=torch.int16)
         step = torch.where(out == 0, 0, step)  # ±0 stay: their bit patterns have no neighbour of the same sign
         moved = (out.detach().view(torch.int16) + step).view(torch.bfloat16)  # sign and magnitude: ±1 is one ulp
@@ -57,8 +59,8 @@ def bf16_run(reference, eager, control, compiled, batch, autocast: bool = True) 
     False: models in bf16 themselves): their ``(loss, LoRA gradients by name)`` (those that got one),
     gradients cleared after."""
     results = []
-    for model, autocast in ((reference, False), (eager, autocast), (control, autocast), (compiled, autocast)):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    for model, autocast_on in ((reference, False), (eager, autocast), (control, autocast), (compiled, autocast)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_on):
             loss = model(**batch).loss
         loss.backward()
         results.append((loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
