@@ -21,7 +21,8 @@ the words moved, kernels whose parameters come packed in ``extra`` (not handled)
 find the pointers (once per captured graph) and to instantiate and patch a copy (each further layer's
 cost), and whether the outputs match; for loracc's own layer stages also
 the device and host time of a call the way the sized graphs run it (inputs copied in, a replay,
-outputs copied out) against a launch of the rebased copy.
+outputs copied out) against a launch of the rebased copy, and the host time and device memory of 48
+instances held at once (a block's 24 layers, forward and backward, at one width).
 
     python -m benchmarks graph-rebase [--out probe.json]
 
@@ -296,6 +297,21 @@ def _timing(driver: Driver, graph, exec_: int, inputs: list, other: list, output
     return result
 
 
+def _instances(driver: Driver, graph: int, patch: Patch, starts: list[int], count: int = 48) -> dict:
+    """Host ms and device bytes of ``count`` more rebased instances held at once (a block's 24 layers'
+    forward and backward at one width)."""
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    began = time.perf_counter()
+    execs = [rebased_exec(driver, graph, patch, starts) for _ in range(count)]
+    host_ms = 1e3 * (time.perf_counter() - began)
+    torch.cuda.synchronize()
+    held = free_before - torch.cuda.mem_get_info()[0]
+    for exec_ in execs:
+        driver("cuGraphExecDestroy", ctypes.c_void_p(exec_))
+    return {"count": count, "host_ms_each": round(host_ms / count, 3), "device_bytes_each": held // count}
+
+
 def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool = False) -> dict:
     """Capture ``fn(*static)``, run a rebased copy on ``other``, compare with ``fn(*other)``.
 
@@ -349,6 +365,7 @@ def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool 
         report["original_relative_error"] = max((relative_error(o, a) for o, a in zip(outputs, again)), default=0.0)
         if timed:
             report["timing"] = _timing(driver, graph, exec_, inputs, [t for t in other if isinstance(t, torch.Tensor)], outputs)
+            report["instances"] = _instances(driver, graph.raw_cuda_graph(), patch, starts)
         driver("cuGraphExecDestroy", ctypes.c_void_p(exec_))
     except Exception as exc:  # noqa: BLE001 - a probe: say what failed, go on with the next case
         report["error"] = f"{type(exc).__name__}: {exc}"
