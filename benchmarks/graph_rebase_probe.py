@@ -32,7 +32,6 @@ elsewhere it says so and exits with status 2. A case that fails says why; it doe
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -40,214 +39,23 @@ import traceback
 
 import torch
 
+from loracc.runtime import graph_rebase
+from loracc.runtime.graph_rebase import Driver, Patch, Ranges
 from loracc.runtime.verify import relative_error
 
-# CUgraphNodeType (cuda.h)
-NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
-              7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free",
-              12: "batch_mem_op", 13: "conditional"}
-DEVICE_MEMORY = (2, 4)  # CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED: the address is in srcDevice / dstDevice
-CUDA_ERROR_INVALID_VALUE = 1
-
-
-class KernelNodeParams(ctypes.Structure):
-    """``CUDA_KERNEL_NODE_PARAMS_v2``."""
-    _fields_ = [("func", ctypes.c_void_p),
-                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint),
-                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
-                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
-
-
-class MemsetNodeParams(ctypes.Structure):
-    """``CUDA_MEMSET_NODE_PARAMS``."""
-    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
-                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
-
-
-class Memcpy3D(ctypes.Structure):
-    """``CUDA_MEMCPY3D``."""
-    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
-                ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_uint), ("srcHost", ctypes.c_void_p),
-                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p), ("reserved0", ctypes.c_void_p),
-                ("srcPitch", ctypes.c_size_t), ("srcHeight", ctypes.c_size_t),
-                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstZ", ctypes.c_size_t),
-                ("dstLOD", ctypes.c_size_t), ("dstMemoryType", ctypes.c_uint), ("dstHost", ctypes.c_void_p),
-                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p), ("reserved1", ctypes.c_void_p),
-                ("dstPitch", ctypes.c_size_t), ("dstHeight", ctypes.c_size_t),
-                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
-
-
-class Driver:
-    """The few driver calls the probe makes, each checked."""
-
-    def __init__(self):
-        self.lib = ctypes.CDLL("libcuda.so.1")
-
-    def __call__(self, name: str, *args) -> None:
-        status = getattr(self.lib, name)(*args)
-        if status != 0:
-            raise RuntimeError(f"{name} returned CUresult {status}")
-
-    def has(self, name: str) -> bool:
-        return hasattr(self.lib, name)
-
-    def nodes(self, graph: int) -> list[int]:
-        count = ctypes.c_size_t(0)
-        self("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(count))
-        nodes = (ctypes.c_void_p * count.value)()
-        self("cuGraphGetNodes", ctypes.c_void_p(graph), nodes, ctypes.byref(count))
-        return [n for n in nodes]
-
-    def node_type(self, node: int) -> str:
-        kind = ctypes.c_int(0)
-        self("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(kind))
-        return NODE_TYPES.get(kind.value, f"type {kind.value}")
-
-    def param_layout(self, params: KernelNodeParams) -> list[tuple[int, int]]:
-        """(offset, size) of each parameter of the node's function (or library kernel)."""
-        getter, handle = (("cuFuncGetParamInfo", params.func) if params.func else ("cuKernelGetParamInfo", params.kern))
-        layout = []
-        while True:
-            offset, size = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            status = getattr(self.lib, getter)(ctypes.c_void_p(handle), ctypes.c_size_t(len(layout)),
-                                               ctypes.byref(offset), ctypes.byref(size))
-            if status == CUDA_ERROR_INVALID_VALUE:
-                return layout
-            if status != 0:
-                raise RuntimeError(f"{getter} returned CUresult {status}")
-            layout.append((offset.value, size.value))
-
-    def name(self, params: KernelNodeParams) -> str:
-        text = ctypes.c_char_p()
-        getter, handle = (("cuFuncGetName", params.func) if params.func else ("cuKernelGetName", params.kern))
-        if not self.has(getter) or getattr(self.lib, getter)(ctypes.byref(text), ctypes.c_void_p(handle)) != 0:
-            return "?"
-        return (text.value or b"?").decode(errors="replace")[:80]
-
-
-class Ranges:
-    """Device address ranges to move: (start, nbytes, new start) each."""
-
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.spans = []
-        for old, new in pairs:
-            nbytes = old.untyped_storage().nbytes()
-            start = old.untyped_storage().data_ptr()
-            assert new.untyped_storage().nbytes() >= nbytes, "the new tensor's storage is smaller"
-            self.spans.append((start, nbytes, new.untyped_storage().data_ptr()))
-
-    def find(self, address: int) -> tuple[int, int] | None:
-        """(index of the range ``address`` falls in, its offset there), or None."""
-        for index, (start, nbytes, _) in enumerate(self.spans):
-            if start <= address < start + nbytes:
-                return index, address - start
-        return None
-
-
-class Patch:
-    """Where a graph's nodes hold addresses in ``Ranges``: found once per captured graph (``find_patches``),
-    then applied to each new instance with the ranges' new starts (``rebased_exec``), as an implementation
-    keeping one instance per layer would. ``kernels``: (node, params, parameter values as bytes,
-    [(parameter index, byte offset, range index, offset in the range)]); ``memsets``: (node, params,
-    range index, offset); ``memcpys``: (node, params, [(field, range index, offset)])."""
-
-    def __init__(self):
-        self.kernels, self.memsets, self.memcpys = [], [], []
-
-    @property
-    def words(self) -> int:
-        return (sum(len(moves) for *_, moves in self.kernels) + len(self.memsets)
-                + sum(len(moves) for *_, moves in self.memcpys))
-
-
-def find_patches(driver: Driver, graph: int, ranges: Ranges, report: dict) -> Patch:
-    """Every node parameter of ``graph`` that points into ``ranges`` (8-byte words, aligned in their parameter)."""
-    patch = Patch()
-    layouts: dict = {}  # function handle -> its parameters' (offset, size): one query per function
-    for node in driver.nodes(graph):
-        kind = driver.node_type(node)
-        report["nodes"][kind] = report["nodes"].get(kind, 0) + 1
-        if kind == "kernel":
-            params = KernelNodeParams()
-            driver("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(node), ctypes.byref(params))
-            if not params.kernelParams:
-                if params.extra:
-                    report["kernels_with_packed_extra"].append(driver.name(params))
-                continue  # no parameters, or packed ones this probe does not read
-            handle = params.func or params.kern
-            layout = layouts.get(handle)
-            if layout is None:
-                layout = layouts[handle] = driver.param_layout(params)
-            values = (ctypes.c_void_p * len(layout)).from_address(params.kernelParams)
-            raws, moves = [], []
-            for index, (_, size) in enumerate(layout):
-                if size and not values[index]:
-                    raise RuntimeError(f"kernel {driver.name(params)}: parameter {index} has no value")
-                raw = bytes(ctypes.string_at(values[index], size)) if size else bytes(1)
-                raws.append(raw)
-                for at in range(0, size - 7, 8):
-                    found = ranges.find(int.from_bytes(raw[at:at + 8], "little"))
-                    if found is not None:
-                        moves.append((index, at, *found))
-            if moves:
-                report["kernels_moved"].add(driver.name(params))
-                patch.kernels.append((node, params, raws, moves))
-        elif kind == "memset":
-            params = MemsetNodeParams()
-            driver("cuGraphMemsetNodeGetParams", ctypes.c_void_p(node), ctypes.byref(params))
-            found = ranges.find(params.dst)
-            if found is not None:
-                patch.memsets.append((node, params, *found))
-        elif kind == "memcpy":
-            params = Memcpy3D()
-            driver("cuGraphMemcpyNodeGetParams", ctypes.c_void_p(node), ctypes.byref(params))
-            moves = []
-            for field, memory in (("srcDevice", "srcMemoryType"), ("dstDevice", "dstMemoryType")):
-                if getattr(params, memory) in DEVICE_MEMORY:
-                    found = ranges.find(getattr(params, field))
-                    if found is not None:
-                        moves.append((field, *found))
-            if moves:
-                patch.memcpys.append((node, params, moves))
-    report["words_moved"] = patch.words
-    return patch
-
-
-def rebased_exec(driver: Driver, graph: int, patch: Patch, starts: list[int], times: dict | None = None) -> int:
-    """A new executable instance of ``graph`` whose nodes address, for each range of ``patch``, the
-    new start ``starts[index]`` instead (same offsets). ``times``: gets ``instantiate_ms`` and
-    ``set_params_ms`` added."""
+def rebased_exec(lib: Driver, graph: int, patch: Patch, starts: list[int], times: dict | None = None) -> int:
+    """``graph_rebase.instantiate``, with ``instantiate_ms`` and ``set_params_ms`` added to ``times``
+    (instantiating alone is timed apart: an instance left unpatched)."""
     began = time.perf_counter()
-    exec_ = ctypes.c_void_p(0)
-    driver("cuGraphInstantiateWithFlags", ctypes.byref(exec_), ctypes.c_void_p(graph), ctypes.c_ulonglong(0))
+    bare = graph_rebase.instantiate(graph, graph_rebase.Patch(), [], lib)
     instantiated = time.perf_counter()
-    context = ctypes.c_void_p(0)
-    driver("cuCtxGetCurrent", ctypes.byref(context))
-    for node, params, raws, moves in patch.kernels:
-        buffers = [bytearray(raw) for raw in raws]
-        for index, at, which, offset in moves:
-            buffers[index][at:at + 8] = (starts[which] + offset).to_bytes(8, "little")
-        cells = [(ctypes.c_char * len(b)).from_buffer(b) for b in buffers]
-        pointers = (ctypes.c_void_p * len(cells))(*[ctypes.addressof(c) for c in cells])
-        moved = KernelNodeParams.from_buffer_copy(params)
-        moved.kernelParams = ctypes.addressof(pointers)  # cells and pointers live until the call returns
-        driver("cuGraphExecKernelNodeSetParams_v2", exec_, ctypes.c_void_p(node), ctypes.byref(moved))
-    for node, params, which, offset in patch.memsets:
-        moved = MemsetNodeParams.from_buffer_copy(params)
-        moved.dst = starts[which] + offset
-        driver("cuGraphExecMemsetNodeSetParams", exec_, ctypes.c_void_p(node), ctypes.byref(moved), context)
-    for node, params, moves in patch.memcpys:
-        moved = Memcpy3D.from_buffer_copy(params)
-        for field, which, offset in moves:
-            setattr(moved, field, starts[which] + offset)
-        driver("cuGraphExecMemcpyNodeSetParams", exec_, ctypes.c_void_p(node), ctypes.byref(moved), context)
+    graph_rebase.destroy(bare, lib)
+    again = time.perf_counter()
+    exec_ = graph_rebase.instantiate(graph, patch, starts, lib)
     if times is not None:
-        done = time.perf_counter()
         times["instantiate_ms"] = round(1e3 * (instantiated - began), 3)
-        times["set_params_ms"] = round(1e3 * (done - instantiated), 3)
-    return exec_.value
+        times["set_params_ms"] = round(1e3 * (time.perf_counter() - again) - times["instantiate_ms"], 3)
+    return exec_
 
 
 def _like_in_new_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -286,7 +94,7 @@ def _timing(driver: Driver, graph, exec_: int, inputs: list, other: list, output
                 graph.replay()
                 kept = [o.clone() for o in outputs]
             else:
-                driver("cuGraphLaunch", ctypes.c_void_p(exec_), ctypes.c_void_p(stream.cuda_stream))
+                graph_rebase.launch(exec_, stream, driver)
         end.record()
         host = time.perf_counter() - began
         torch.cuda.synchronize()
@@ -308,7 +116,7 @@ def _instances(driver: Driver, graph: int, patch: Patch, starts: list[int], coun
     torch.cuda.synchronize()
     held = free_before - torch.cuda.mem_get_info()[0]
     for exec_ in execs:
-        driver("cuGraphExecDestroy", ctypes.c_void_p(exec_))
+        graph_rebase.destroy(exec_, driver)
     return {"count": count, "host_ms_each": round(host_ms / count, 3), "device_bytes_each": held // count}
 
 
@@ -318,7 +126,7 @@ def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool 
     ``static``, ``other``: the same arguments at two places (tensors of equal layouts, other values
     equal). Outputs that are views of an input are left out of the comparison (the graph does not
     write them). ``timed``: also time both ways of running ``other`` (``_timing``)."""
-    report = {"case": name, "nodes": {}, "words_moved": 0, "kernels_moved": set(), "kernels_with_packed_extra": []}
+    report = {"case": name, "kernels_moved": set()}
     try:
         for a, b in zip(static, other):
             if isinstance(a, torch.Tensor):
@@ -339,20 +147,25 @@ def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool 
         graph.replay()
         torch.cuda.synchronize()
         fresh = _like_in_new_storages(outputs)
-        ranges = Ranges(list(zip(inputs, [t for t in other if isinstance(t, torch.Tensor)])) + list(zip(outputs, fresh)))
+        # Each storage the graph read or wrote, moved to its twin's (a kernel handed a view moves by its offset).
+        pairs = list(zip(inputs, [t for t in other if isinstance(t, torch.Tensor)])) + list(zip(outputs, fresh))
+        ranges = Ranges([(a.untyped_storage().data_ptr(), a.untyped_storage().nbytes()) for a, _ in pairs])
+        starts = [b.untyped_storage().data_ptr() for _, b in pairs]
         start = time.perf_counter()
-        patch = find_patches(driver, graph.raw_cuda_graph(), ranges, report)
+        patch = graph_rebase.find_patches(graph.raw_cuda_graph(), ranges, driver)
         report["find_patches_ms"] = round(1e3 * (time.perf_counter() - start), 3)
-        report["nodes_patched"] = len(patch.kernels) + len(patch.memsets) + len(patch.memcpys)
-        starts = [new for _, _, new in ranges.spans]
+        report["nodes"], report["words_moved"] = patch.counts, patch.words
+        report["kernels_moved"] = {driver.name(entry[1]) for entry in patch.kernels + patch.extras}
+        report["kernels_with_packed_extra"] = patch.packed
+        report["nodes_patched"] = len(patch.kernels) + len(patch.extras) + len(patch.memsets) + len(patch.memcpys)
         # A first instance, then a second (what each further layer would cost): instantiation and patching apart.
         report["first_instance"], report["second_instance"] = {}, {}
         exec_ = rebased_exec(driver, graph.raw_cuda_graph(), patch, starts, report["first_instance"])
         second = rebased_exec(driver, graph.raw_cuda_graph(), patch, starts, report["second_instance"])
-        driver("cuGraphExecDestroy", ctypes.c_void_p(second))
+        graph_rebase.destroy(second, driver)
         stream = torch.cuda.current_stream()
         start = time.perf_counter()
-        driver("cuGraphLaunch", ctypes.c_void_p(exec_), ctypes.c_void_p(stream.cuda_stream))
+        graph_rebase.launch(exec_, stream, driver)
         report["launch_host_us"] = round(1e6 * (time.perf_counter() - start), 1)
         torch.cuda.synchronize()
         expected = [_tensors(fn(*other))[i] for i in written]
@@ -366,7 +179,7 @@ def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool 
         if timed:
             report["timing"] = _timing(driver, graph, exec_, inputs, [t for t in other if isinstance(t, torch.Tensor)], outputs)
             report["instances"] = _instances(driver, graph.raw_cuda_graph(), patch, starts)
-        driver("cuGraphExecDestroy", ctypes.c_void_p(exec_))
+        graph_rebase.destroy(exec_, driver)
     except Exception as exc:  # noqa: BLE001 - a probe: say what failed, go on with the next case
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc(limit=4)
