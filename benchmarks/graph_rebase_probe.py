@@ -17,7 +17,8 @@ parameters that points into one of the static tensors or the outputs, instantiat
 with those words moved to a second set of inputs and fresh outputs, replays it, and compares the
 outputs with ``fn`` run eagerly on the second set (bit for bit, and their relative error: the
 adapter-gradient kernel's atomic sums differ in their last bits from run to run). It records per case: nodes by type,
-the words moved, kernels whose parameters come packed in ``extra`` (not handled), the host time to
+the words moved (kernels' parameters one by one or packed in one buffer, cuBLAS's way), kernels whose
+``extra`` holds anything else (not handled), the host time to
 find the pointers (once per captured graph) and to instantiate and patch a copy (each further layer's
 cost), and whether the outputs match; for loracc's own layer stages also
 the device and host time of a call the way the sized graphs run it (inputs copied in, a replay,
