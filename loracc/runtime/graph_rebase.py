@@ -3,7 +3,7 @@
 A CUDA graph's kernel, memcpy and memset nodes hold device addresses in their parameters. Given the
 address ranges of tensors the graph read or wrote at capture (``Ranges``), ``find_patches`` finds
 every 8-byte word of every node's parameters that falls in one of them, once per captured graph;
-``Instance`` then instantiates the graph again with those words moved to other tensors of the same
+``instantiate`` then makes a new instance of the graph with those words moved to other tensors of the same
 layouts (the CUDA driver's ``cuGraphExec*NodeSetParams``), as PyTorch's experimental
 ``torch/_inductor/cudagraph_digraphs.py`` does. ``python -m benchmarks graph-rebase`` runs it over
 cuBLAS, Triton, flash attention and loracc's own layer stages; what it found, and why the sized
