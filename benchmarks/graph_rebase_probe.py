@@ -33,6 +33,7 @@ elsewhere it says so and exits with status 2. A case that fails says why; it doe
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -57,6 +58,41 @@ def rebased_exec(lib: Driver, graph: int, patch: Patch, starts: list[int], times
         times["instantiate_ms"] = round(1e3 * (instantiated - began), 3)
         times["set_params_ms"] = round(1e3 * (time.perf_counter() - again) - times["instantiate_ms"], 3)
     return exec_
+
+
+def near_misses(lib: Driver, graph: int, ranges: Ranges, reach: int = 1 << 20, most: int = 40) -> list[str]:
+    """Words of kernel parameters that a patch leaves but that may be addresses of the moved tensors:
+    8-byte words at 4-byte (not 8-byte) offsets that fall in a range, and 8-byte words within ``reach``
+    bytes before or after one (an end pointer, a base a kernel offsets from). A lead where an instance
+    computes something else than the captured graph; at most ``most``, as "kernel: parameter [index] at
+    byte b: range r, offset o"."""
+    found = []
+    for node in lib.nodes(graph):
+        if lib.node_type(node) != "kernel":
+            continue
+        params = graph_rebase.KernelNodeParams()
+        lib("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(node), ctypes.byref(params))
+        if params.kernelParams:
+            layout = lib.param_layout(params)
+            values = (ctypes.c_void_p * len(layout)).from_address(params.kernelParams)
+            raws = [(index, ctypes.string_at(values[index], size)) for index, (_, size) in enumerate(layout) if size]
+        elif params.extra and (buffer := graph_rebase._packed_buffer(params.extra)) is not None:
+            raws = [("packed", ctypes.string_at(*buffer))]
+        else:
+            continue
+        for index, raw in raws:
+            for at in range(0, len(raw) - 7, 4):
+                word = int.from_bytes(raw[at:at + 8], "little")
+                hit = ranges.find(word)
+                if hit is not None and at % 8 == 0:
+                    continue  # moved by the patch
+                near = hit or next(((r, word - start) for r, (start, nbytes) in enumerate(ranges.spans)
+                                    if start - reach <= word < start + nbytes + reach), None)
+                if near is not None:
+                    found.append(f"{lib.name(params)[:60]}: parameter [{index}] at byte {at}: range {near[0]}, offset {near[1]}")
+                    if len(found) >= most:
+                        return found
+    return found
 
 
 def _like_in_new_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -159,6 +195,7 @@ def probe(driver: Driver, name: str, fn, static: list, other: list, timed: bool 
         report["kernels_moved"] = {driver.name(entry[1]) for entry in patch.kernels + patch.extras}
         report["kernels_with_packed_extra"] = patch.packed
         report["nodes_patched"] = len(patch.kernels) + len(patch.extras) + len(patch.memsets) + len(patch.memcpys)
+        report["near_misses"] = near_misses(driver, graph.raw_cuda_graph(), ranges)
         # A first instance, then a second (what each further layer would cost): instantiation and patching apart.
         report["first_instance"], report["second_instance"] = {}, {}
         exec_ = rebased_exec(driver, graph.raw_cuda_graph(), patch, starts, report["first_instance"])

@@ -152,3 +152,18 @@ def test_a_patch_moves_every_pointer_word_in_a_range_and_nothing_else():
     assert lib.set[2] == [word(a + 10_000), struct.pack("<q", 123) + word(new_b)]
     assert lib.set[4] == struct.pack("<i", 9) + bytes(4) + word(new_b + 16) + word(7)
     assert 3 not in lib.set and 5 not in lib.set
+
+
+def test_the_probe_lists_words_a_patch_leaves_that_may_be_addresses():
+    """An end pointer (one past a range), an address at a 4-byte offset, one far away (not listed), one
+    a patch moves (not listed)."""
+    import struct
+
+    from benchmarks.graph_rebase_probe import near_misses
+
+    a = 0x7F00_0000_0000
+    kernels = {1: [struct.pack("<Q", a + 100)],
+               2: [struct.pack("<i", 3) + struct.pack("<Q", a + 8) + bytes(4), struct.pack("<Q", a + 5_000_000)]}
+    misses = near_misses(_FakeDriver(kernels, {3: struct.pack("<Q", a + 40)}), 0, Ranges([(a, 100)]))
+    assert misses == ["kernel1: parameter [0] at byte 0: range 0, offset 100",
+                      "kernel2: parameter [0] at byte 4: range 0, offset 8"]
