@@ -26,6 +26,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / denom if denom else (a - b).norm().item()
 
 
+def train_step(model, batch: dict, seed: int = 0) -> torch.Tensor:
+    """One forward with labels and backward of ``model`` on ``batch`` after ``torch.manual_seed(seed)``
+    (the same dropout masks in two models); the loss, detached. Gradients add up in ``.grad``."""
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
 BF16_TOL = 2e-2
 
 

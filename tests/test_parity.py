@@ -9,7 +9,7 @@ import torch
 
 import loracc
 from loracc.tools import presets
-from conftest import rel_err
+from conftest import rel_err, train_step
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -20,13 +20,6 @@ def _pair(family="llama", **overrides):
     model, batch = presets.preset(family, **overrides)
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
     return model, compiled, batch
-
-
-def _step(model, batch, seed=0):
-    torch.manual_seed(seed)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach()
 
 
 def _assert_grads_match(eager, compiled, tol=1e-4):
@@ -46,9 +39,9 @@ def _assert_grads_match(eager, compiled, tol=1e-4):
 def test_loss_and_gradients_match_peft(family, tmp_path, monkeypatch):
     monkeypatch.setenv("LORACC_CACHE_DIR", str(tmp_path))  # empty caches: the first layer's first call defers
     eager, compiled, batch = _pair(family, layers=3)
-    _step(compiled, batch)  # a first step: the first layer's very first call runs eagerly (Region._defer)
+    train_step(compiled, batch)  # a first step: the first layer's very first call runs eagerly (Region._defer)
     compiled.zero_grad(set_to_none=True)
-    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    loss_e, loss_c = train_step(eager, batch), train_step(compiled, batch)
     assert rel_err(loss_c, loss_e) <= 1e-5
     _assert_grads_match(eager, compiled)
     regions = loracc.explain(compiled).regions
@@ -67,7 +60,7 @@ def test_loss_and_gradients_match_peft(family, tmp_path, monkeypatch):
 )
 def test_lora_variants_match_peft(lora):
     eager, compiled, batch = _pair("qwen2", **lora)  # qwen2: q/k/v carry a frozen bias
-    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    loss_e, loss_c = train_step(eager, batch), train_step(compiled, batch)
     assert rel_err(loss_c, loss_e) <= 1e-5
     _assert_grads_match(eager, compiled)
     report = loracc.explain(compiled)
@@ -76,7 +69,7 @@ def test_lora_variants_match_peft(lora):
 
 def test_every_peft_layer_is_matched():
     _, compiled, batch = _pair("llama", layers=3)
-    _step(compiled, batch)
+    train_step(compiled, batch)
     report = loracc.explain(compiled)
     assert len(report.lora_layers) == 21
     assert sorted(report.lora_layers_matched) == sorted(report.lora_layers)
@@ -88,7 +81,7 @@ def test_adamw_steps_match():
     for step in range(5):
         for model, opt in zip((eager, compiled), opts):
             opt.zero_grad()
-            _step(model, batch, seed=step)
+            train_step(model, batch, seed=step)
             opt.step()
         loss_e = eager(**batch).loss
         loss_c = compiled(**batch).loss
@@ -101,7 +94,7 @@ def test_captures_do_not_grow_with_depth():
     captures = []
     for layers in (2, 6):
         _, compiled, batch = _pair("llama", layers=layers)
-        _step(compiled, batch)
+        train_step(compiled, batch)
         captures.append(sum(r.captures for r in loracc.explain(compiled).regions))
     assert captures[0] == captures[1]
 
@@ -112,7 +105,7 @@ def test_a_hook_on_one_layer_gives_that_layer_its_own_graph():
     model.base_model.model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: 2 * output)
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
     assert sorted(len(r.modules) for r in compiled._loracc.regions if r.kind == "block") == [1, 2]
-    want, got = _step(model, batch), _step(compiled, batch)
+    want, got = train_step(model, batch), train_step(compiled, batch)
     assert rel_err(got, want) <= 1e-5
     _assert_grads_match(model, compiled)
 
@@ -120,12 +113,12 @@ def test_a_hook_on_one_layer_gives_that_layer_its_own_graph():
 def test_a_hook_added_inside_a_layer_after_compile_runs_that_layer_eagerly():
     model, batch = presets.preset("llama", layers=2)
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
-    _step(compiled, batch)
+    train_step(compiled, batch)
     for m in (model, compiled):
         m.base_model.model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: 2 * output)
-    want = _step(model, batch)
+    want = train_step(model, batch)
     with pytest.warns(UserWarning, match="layers.1 runs eagerly: hooks inside it were added"):
-        got = _step(compiled, batch)
+        got = train_step(compiled, batch)
     assert rel_err(got, want) <= 1e-5
     assert [f.module for f in loracc.explain(compiled).fallbacks] == ["base_model.model.model.layers.1"]
 
@@ -136,9 +129,9 @@ def test_hooks_on_the_final_norm_or_lm_head_run_the_head_eagerly(module):
     inner = model.base_model.model
     (inner.model.norm if module == "norm" else inner.lm_head).register_forward_hook(lambda m, args, out: 3 * out + 1)
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
-    want = _step(model, batch)
+    want = train_step(model, batch)
     with pytest.warns(UserWarning, match="norm\\+lm_head\\+loss runs eagerly: the final norm or lm_head has hooks"):
-        got = _step(compiled, batch)
+        got = train_step(compiled, batch)
     assert rel_err(got, want) <= 1e-5
     _assert_grads_match(model, compiled)
 
@@ -152,9 +145,9 @@ def test_a_layers_own_hooks_run_once_around_its_compiled_forward():
         layer.register_forward_hook(lambda module, args, out: 2 * out if torch.is_tensor(out) else (2 * out[0],) + tuple(out[1:]))
         layer.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(module) or None)
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
-    want = _step(model, batch)
+    want = train_step(model, batch)
     eager_calls, calls[:] = len(calls), []
-    got = _step(compiled, batch)
+    got = train_step(compiled, batch)
     assert rel_err(got, want) <= 1e-5 and len(calls) == eager_calls == 2
     _assert_grads_match(model, compiled)
 
@@ -183,7 +176,7 @@ def test_user_optimizer_trains_the_users_parameters():
     lora_a = next(p for n, p in model.named_parameters() if "lora_A" in n)
     before = lora_a.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(compiled, batch)
+    train_step(compiled, batch)
     opt.step()
     assert not torch.equal(before, lora_a.detach())
 
@@ -192,13 +185,13 @@ def test_no_warnings_on_supported_models():
     _, compiled, batch = _pair("mistral")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="loracc")
-        _step(compiled, batch)
+        train_step(compiled, batch)
     assert loracc.explain(compiled).fallbacks == []
 
 
 def test_single_layer_model_compiles_its_layer():
     eager, compiled, batch = _pair("llama", layers=1)
-    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    loss_e, loss_c = train_step(eager, batch), train_step(compiled, batch)
     assert rel_err(loss_c, loss_e) <= 1e-5
     _assert_grads_match(eager, compiled)
     assert [(r.kind, r.calls) for r in loracc.explain(compiled).regions] == [("block", 1), ("head", 1)]

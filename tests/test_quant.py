@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import loracc
-from conftest import assert_within_eager_bf16_error, bf16_run, rel_err, with_bf16_rounded_embeddings
+from conftest import assert_within_eager_bf16_error, bf16_run, rel_err, train_step, with_bf16_rounded_embeddings
 from loracc.tools import presets
 from loracc.ir.graph import info
 from loracc.quant.nf4 import DEQUANT_NF4, dequant_nf4
@@ -202,18 +202,11 @@ def _quantized_pair(family: str, **overrides):
     return model, compiled, batch
 
 
-def _step(model, batch, seed=0):
-    torch.manual_seed(seed)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach()
-
-
 def _same_step(eager, compiled, batch, frozen_without_grad=False) -> int:
     """One training step of each: the same loss (1e-5) and every trainable gradient (1e-4); with
     ``frozen_without_grad``, no gradient on the compiled model's frozen parameters. Returns how many
     gradients were compared."""
-    loss_e, loss_c = _step(eager, batch), _step(compiled, batch)
+    loss_e, loss_c = train_step(eager, batch), train_step(compiled, batch)
     assert rel_err(loss_c, loss_e) <= 1e-5
     checked = 0
     for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
@@ -250,7 +243,7 @@ def test_adamw_steps_on_a_quantized_base_match_eager():
     for step in range(2):
         for model, opt in zip((eager, compiled), opts):
             opt.zero_grad()
-            _step(model, batch, seed=step)
+            train_step(model, batch, seed=step)
             opt.step()
         assert rel_err(compiled(**batch).loss, eager(**batch).loss) <= 1e-5, f"step {step}"
     for (name, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
@@ -261,7 +254,7 @@ def test_the_decoded_weight_is_recomputed_never_saved():
     """The forward keeps no decoded 16/32-bit weight for the backward: remat recomputes the decode
     from the packed weight, a graph input."""
     _, compiled, batch = _quantized_pair("llama")
-    _step(compiled, batch)
+    train_step(compiled, batch)
     block = next(r for r in compiled._loracc.regions if r.kind == "block").latest
     graph = block.stages["remat"].graph
     decodes = [n for n in graph.nodes if n.target is DEQUANT_NF4]
@@ -378,7 +371,7 @@ def test_peft_bitsandbytes_bf16_base_with_fp32_adapters_is_fused():
     assert adopt_bnb.adopt(model) == []
     reference = copy.deepcopy(model).to(torch.float32)  # the same NF4 weights decoded to fp32, fp32 arithmetic
     compiled = loracc.compile(model, backend="eager")
-    loss_e, loss_c, loss_r = _step(eager, batch), _step(compiled, batch), _step(reference, batch)
+    loss_e, loss_c, loss_r = train_step(eager, batch), train_step(compiled, batch), train_step(reference, batch)
     assert rel_err(loss_c, loss_r) <= max(2 * rel_err(loss_e, loss_r), 2e-2)
     for (name, p), (_, q), (_, r) in zip(eager.named_parameters(), compiled.named_parameters(),
                                          reference.named_parameters()):
@@ -428,7 +421,7 @@ def test_memory_counts_the_packed_weights_and_the_decode_workspace():
                for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values() if id(t) not in state)
     compiled = loracc.compile(model, backend="eager")
     assert persistent_bytes(compiled) == rest + state_bytes
-    _step(compiled, batch)
+    train_step(compiled, batch)
     block = next(r for r in compiled._loracc.regions if r.kind == "block").latest
     assert block.reports["memory_plan"].arena_bytes >= max(decoded_bytes)
     assert loracc.explain(compiled).predicted_peak_bytes >= persistent_bytes(compiled) + max(decoded_bytes)
@@ -474,7 +467,7 @@ def test_compiled_fp8_model_matches_eager(block):
 
     assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 14
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
-    loss_e, loss_c = _step(model, batch), _step(compiled, batch)
+    loss_e, loss_c = train_step(model, batch), train_step(compiled, batch)
     assert rel_err(loss_c, loss_e) <= 1e-5
     for (name, p), (_, q) in zip(model.named_parameters(), compiled.named_parameters()):
         if p.requires_grad:
@@ -505,7 +498,7 @@ def test_bf16_quantized_model_matches_eager_within_bf16_noise(fmt):
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)  # as over bitsandbytes
     reference = copy.deepcopy(model).to(torch.float32)  # the same quantized weights decoded to fp32
     compiled = loracc.compile(copy.deepcopy(model), backend="eager")
-    loss_e, loss_c, loss_r = _step(model, batch), _step(compiled, batch), _step(reference, batch)
+    loss_e, loss_c, loss_r = train_step(model, batch), train_step(compiled, batch), train_step(reference, batch)
     assert rel_err(loss_c, loss_e) <= 2e-2
     assert rel_err(loss_c, loss_r) <= max(2 * rel_err(loss_e, loss_r), 2e-2)
     for (name, p), (_, q), (_, r) in zip(model.named_parameters(), compiled.named_parameters(),
@@ -585,10 +578,10 @@ def test_gpu_nf4_decode_is_called_directly_with_the_ops_numbers(monkeypatch):
     direct, through_op = (loracc.compile(copy.deepcopy(model), backend="auto", cuda_graphs=False) for _ in range(2))
     losses = {}
     for _ in range(2):  # each compiles at its first call
-        losses["direct"] = _step(direct, batch)
+        losses["direct"] = train_step(direct, batch)
         with monkeypatch.context() as m:
             m.setattr(triton_backend, "DEQUANT_NF4", object())  # no node matches: the op stays
-            losses["op"] = _step(through_op, batch)
+            losses["op"] = train_step(through_op, batch)
     runs = {e["stage"] for e in direct._loracc.backend.report if e["runs"] == "generated kernel (NF4 decode)"}
     assert runs == {"forward", "backward"}
     report = through_op._loracc.backend.report  # compiled by its own backend, the op left in place
