@@ -139,24 +139,12 @@ class Ranges:
     def __init__(self, spans: list[tuple[int, int]]):
         self.spans = [(int(start), int(nbytes)) for start, nbytes in spans]
 
-    @classmethod
-    def of(cls, tensors: list[torch.Tensor]) -> Ranges:
-        """The bytes each of ``tensors`` spans (from its first element to just past its last)."""
-        return cls([(t.data_ptr(), span_bytes(t)) for t in tensors])
-
     def find(self, address: int) -> tuple[int, int] | None:
         """(index of the range ``address`` falls in, its offset there), or None."""
         for index, (start, nbytes) in enumerate(self.spans):
             if start <= address < start + nbytes:
                 return index, address - start
         return None
-
-
-def span_bytes(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to just past its last (0 when it has none)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 class Patch:
